@@ -1,0 +1,190 @@
+"""The decoding modes on tiny F32 models: exactness where the maths promises it, statistics where
+it is random, and KV caches that always match the committed text."""
+
+import numpy as np
+import pytest
+
+from chi2 import chi2_sf
+from conftest import EXACT, make_tiny_gguf
+from via_edge import Engine, SpecParams
+from via_edge.errors import InvalidParameterError
+from via_edge.llama import LlamaModel, LoadParams
+from via_edge.sampling import SamplingParams, probs
+
+PROMPTS = ["hello world", "the cat is here", "a", "some more words in here", "xyz 123", "é ü 世界"]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_dir):
+    """Three tiny targets (different seeds), each with a 2-block draft and a 3-block slim."""
+    out = []
+    for seed in (1, 7, 11):
+        path = make_tiny_gguf(tiny_dir / f"dec{seed}.gguf", blocks=4, seed=seed)
+        out.append(Engine(path, draft_layers="0-1", slim_layers="0-2", **EXACT))
+    yield out
+    for e in out:
+        e.close()
+
+
+def run(engine, prompt, mode, **kw):
+    kw.setdefault("max_tokens", 60)
+    return engine.generate(prompt, mode=mode, chat_template=False, **kw)
+
+
+@pytest.mark.parametrize("n_draft", [1, 2, 3, 5, 8])
+def test_greedy_sd_hier_lookup_equal_ar(engines, n_draft):
+    spec = SpecParams(n_draft=n_draft, hier_block=max(2, 2 * n_draft))
+    accepted = rejected = 0
+    for engine in engines:
+        for prompt in PROMPTS:
+            ar = run(engine, prompt, "ar")
+            for mode in ("sd", "hier", "lookup"):
+                res = run(engine, prompt, mode, spec=spec)
+                assert res.tokens == ar.tokens, (mode, prompt)
+                assert res.text == ar.text and res.finish_reason == ar.finish_reason
+                if mode == "sd":
+                    accepted += res.stats.draft_n_accepted
+                    rejected += res.stats.rejected
+    assert accepted > 0 and rejected > 0  # both paths of the rule were exercised
+
+
+def test_eos_inside_a_draft(engines):
+    """Some greedy outputs end on EOS that the draft proposed and the target accepted."""
+    seen = 0
+    for engine in engines:
+        for prompt in PROMPTS:
+            ar = run(engine, prompt, "ar", max_tokens=120)
+            if ar.finish_reason != "stop":
+                continue
+            for mode in ("sd", "hier"):
+                res = run(engine, prompt, mode, max_tokens=120, spec=SpecParams(n_draft=8))
+                assert res.tokens == ar.tokens and res.finish_reason == "stop"
+                seen += res.origins[-1] == "draft" and mode == "sd"
+    assert seen > 0
+
+
+def test_stop_strings_across_rounds(engines):
+    engine, prompt, text = next((e, p, r.text) for e in engines for p in PROMPTS
+                                if len((r := run(e, p, "ar", max_tokens=80)).text) > 40)
+    for start in range(3, 40, 7):
+        stop = text[start:start + 4]
+        expected = text[: text.find(stop)]
+        for mode in ("ar", "sd", "hier"):
+            res = run(engine, prompt, mode, max_tokens=80, stop=[stop], spec=SpecParams(n_draft=4))
+            assert res.text == expected and res.finish_reason == "stop", (mode, stop)
+
+
+def test_streamed_pieces_join_to_text(engines):
+    engine = engines[1]
+    pieces = list(engine.stream("é ü 世界", mode="sd", chat_template=False, max_tokens=40))
+    assert "".join(p.text for p in pieces) == engine.last_result.text
+    assert {p.origin for p in pieces} <= {"draft", "slim", "target"}
+
+
+def test_via_with_tau_full_above_one_is_sd(engines):
+    spec_sd = SpecParams(n_draft=4)
+    spec_via = SpecParams(n_draft=4, tau_full=1.5)
+    for engine in engines:
+        for prompt in PROMPTS[:4]:
+            sd = run(engine, prompt, "sd", spec=spec_sd)
+            via = run(engine, prompt, "via", spec=spec_via)
+            assert via.tokens == sd.tokens and via.origins == sd.origins
+            assert via.stats.tier_a == via.stats.tier_b == 0
+            assert via.stats.slim.calls == 0
+
+
+def test_via_with_tau_accept_zero_is_the_drafts_own_output(engines):
+    spec = SpecParams(n_draft=4, tau_accept=0.0, tau_full=0.0, max_lag=0)
+    for engine in engines:
+        draft_only = Engine(engine.models.draft.path, **EXACT)
+        for prompt in PROMPTS[:4]:
+            via = run(engine, prompt, "via", spec=spec)
+            own = run(draft_only, prompt, "ar")
+            assert via.tokens == own.tokens
+            prefill_only = len(engine.tokens_for(prompt, False)) - 1
+            assert via.stats.target.tokens == prefill_only and via.stats.tier_a == len(via.tokens)
+        draft_only.close()
+
+
+def test_via_stats_add_up(engines):
+    for engine in engines:
+        res = run(engine, "some more words in here", "via", max_tokens=80,
+                  spec=SpecParams(n_draft=5, tau_accept=0.95, tau_full=0.4, max_lag=8))
+        s = res.stats
+        assert s.generated_tokens == len(res.tokens) == s.tier_a + s.tier_b + s.tier_c
+        assert s.generated_tokens == s.draft_n_accepted + s.slim_tokens + s.target_tokens
+        assert s.tier_b_replaced <= s.tier_b and s.rejected == s.draft_n - s.draft_n_accepted
+        assert [o for o in res.origins].count("slim") == s.slim_tokens
+
+
+def test_via_max_lag_bounds_unverified_tokens(engines):
+    engine = engines[0]
+    spec = SpecParams(n_draft=4, tau_accept=0.0, tau_full=0.0, max_lag=6)
+    res = run(engine, "hello world", "via", max_tokens=60, spec=spec)
+    unverified = 0
+    for tier in res.tiers:
+        unverified = 0 if tier == "C" else unverified + 1
+        assert unverified <= 6
+    assert "C" in res.tiers and "A" in res.tiers
+
+
+def test_kv_caches_match_fresh_contexts(engines):
+    engine = engines[2]
+    specs = [SpecParams(n_draft=3), SpecParams(n_draft=6, tau_accept=0.97, tau_full=0.5, max_lag=5)]
+    for mode, spec in [("sd", specs[0]), ("via", specs[1]), ("hier", specs[0]), ("sd", specs[1])]:
+        prompt = "the cat is here"
+        res = run(engine, prompt, mode, max_tokens=37, spec=spec)
+        committed = engine.tokens_for(prompt, False) + res.tokens
+        for model in (engine.models.target, engine.models.draft, engine.models.slim):
+            # caches may hold rejected drafts until their next call syncs them: that call must
+            # give exactly what a fresh context fed the committed text gives
+            got = model.eval(committed, 1).copy()
+            with LlamaModel(model.path, LoadParams(**EXACT)) as fresh:
+                want = fresh.eval(committed, 1)
+                assert np.abs(got - want).max() < 1e-4
+
+
+def test_invalid_spec_values():
+    for kw in [dict(n_draft=0), dict(tau_accept=1.2), dict(tau_full=-0.1), dict(tau_full=3),
+               dict(tau_accept=0.3, tau_full=0.5), dict(route="magic"), dict(max_lag=-1),
+               dict(hier_block=1)]:
+        with pytest.raises(InvalidParameterError):
+            SpecParams(**kw)
+
+
+def test_stochastic_sd_matches_target_distribution(engines):
+    """First emitted token of sampled sd vs the target's own softmax: chi-square at p = 0.001.
+
+    N = 6000 draws detect a 2% shift of mass between two likely tokens with high probability;
+    the same statistic computed against the draft's distribution must reject, showing the test
+    has the power to see a wrong rule.
+    """
+    engine = engines[0]
+    sp = dict(temperature=25.0)
+    prompt_tokens = engine.tokens_for("the cat is here", False)
+    p = probs(engine.models.target.eval(prompt_tokens, 1)[0], SamplingParams(**sp))
+    q = probs(engine.models.draft.eval(prompt_tokens, 1)[0], SamplingParams(**sp))
+    n = 6000
+    firsts = [engine.generate(prompt_tokens, mode="sd", max_tokens=2, seed=i, spec=SpecParams(n_draft=3),
+                              **sp).tokens[0] for i in range(n)]
+    counts = np.bincount(firsts, minlength=p.size)
+
+    def stat(dist):
+        big = dist * n >= 5
+        obs = np.append(counts[big], counts[~big].sum())
+        exp = np.append(dist[big] * n, dist[~big].sum() * n)
+        keep = exp > 0
+        chi = (((obs - exp) ** 2)[keep] / exp[keep]).sum() + (obs[~keep].sum() > 0) * 1e9
+        return chi2_sf(chi, keep.sum() - 1)
+
+    assert np.abs(p - q).sum() > 0.1  # the draft really differs, so the residual path runs
+    assert stat(p) > 0.001
+    assert stat(q) < 0.001
+
+
+def test_chi2_sf_known_values():
+    # table values: P(X > x) for chi-square with k degrees of freedom
+    assert abs(chi2_sf(3.841, 1) - 0.05) < 1e-3
+    assert abs(chi2_sf(18.307, 10) - 0.05) < 1e-3
+    assert abs(chi2_sf(29.588, 10) - 0.001) < 1e-4
+    assert abs(chi2_sf(124.342, 100) - 0.05) < 1e-3

@@ -1,0 +1,130 @@
+"""The llama.cpp adapter on real llama.cpp with tiny GGUFs."""
+
+import numpy as np
+import pytest
+
+from via_edge.errors import ContextOverflowError, ModelFileError
+from via_edge.gguf_info import read_info
+from via_edge.llama import LlamaModel, LoadParams, common_prefix
+from via_edge.prompts import render_chat
+from via_edge.text import StreamDecoder
+
+PARAMS = LoadParams(n_ctx=256, kv_type="f32", flash_attn=False, use_extra_bufts=False)
+TEXT = "Hello the world, héllo 世界 🎉 and some more text for the test"
+
+
+@pytest.fixture(scope="module")
+def model(tiny_target):
+    with LlamaModel(tiny_target, PARAMS) as m:
+        yield m
+
+
+def test_header_facts(tiny_target, tiny_llama):
+    info = read_info(tiny_target)
+    assert (info.architecture, info.block_count, info.vocab_size) == ("qwen2", 4, 279)
+    assert info.context_length == 512 and not info.tied_embeddings
+    assert read_info(tiny_llama).tied_embeddings and read_info(tiny_llama).architecture == "llama"
+
+
+def test_loaded_facts(model):
+    assert model.n_vocab == 279 and model.n_layer == 4 and model.n_ctx == 256
+    assert model.is_eog(model.eos) and not model.is_eog(5)
+
+
+def test_batch_equals_one_by_one(model):
+    toks = model.tokenize(TEXT)
+    model.reset()
+    batched = model.decode(toks, "all").copy()
+    model.reset()
+    single = np.stack([model.decode([t])[0].copy() for t in toks])
+    assert np.abs(batched - single).max() < 1e-4
+
+
+def test_quantized_model_decodes(tiny_q8):
+    with LlamaModel(tiny_q8, PARAMS) as m:
+        rows = m.decode(m.tokenize("quantized weights"), "all")
+        assert rows.shape == (len(m.tokens), m.n_vocab) and np.isfinite(rows).all()
+
+
+def test_rollback_then_redecode(model):
+    toks = model.tokenize(TEXT)
+    model.reset()
+    first = model.decode(toks, "all").copy()
+    model.truncate(10)
+    assert model.n_past == 10 and model.tokens == toks[:10]
+    again = model.decode(toks[10:], "all")
+    assert np.abs(again - first[10:]).max() < 1e-4
+
+
+def test_eval_reuses_prefix_and_rolls_back(model):
+    toks = model.tokenize(TEXT)
+    model.reset()
+    ref = model.eval(toks, 3).copy()
+    calls = model.usage.tokens
+    same = model.eval(toks, 3)  # only the last 3 positions are re-decoded
+    assert model.usage.tokens - calls == 3
+    assert np.abs(same - ref).max() < 1e-4
+    other = toks[:8] + [40, 41, 42]
+    got = model.eval(other, 1).copy()
+    model.reset()
+    fresh = model.eval(other, 1)
+    assert np.abs(got - fresh).max() < 1e-4 and model.tokens == other
+
+
+def test_logits_are_read_only_views(model):
+    row = model.eval(model.tokenize("abc"), 1)
+    assert not row.flags.writeable
+
+
+def test_tokenizer_round_trip(model):
+    for text in [TEXT, "naïve café ß", "日本語のテキスト", "emoji 👩‍💻 zwj", "  spaces\tand\nlines  "]:
+        assert model.detokenize(model.tokenize(text, add_special=False)) == text
+
+
+def test_special_tokens_parse_only_when_asked(model):
+    as_text = model.tokenize("<|im_end|>", add_special=False, parse_special=False)
+    special = model.tokenize("<|im_end|>", add_special=False, parse_special=True)
+    assert special == [model.eos] and len(as_text) > 1
+
+
+def test_stream_decoder_never_splits_characters(model):
+    dec = StreamDecoder()
+    pieces = [dec.feed(model.token_bytes(t)) for t in model.tokenize("世界 🎉", add_special=False)]
+    pieces.append(dec.flush())
+    assert "".join(pieces) == "世界 🎉"
+    assert all("\ufffd" not in p for p in pieces)
+    assert "" in pieces  # some tokens carried only part of a character and waited
+
+
+def test_chat_template_from_gguf(model):
+    text = render_chat(model.chat_template, [{"role": "user", "content": "hi"}])
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_context_overflow(model):
+    model.reset()
+    with pytest.raises(ContextOverflowError):
+        model.decode(list(range(5, 5 + 300)), "last")
+    assert model.tokens == []
+
+
+def test_missing_foreign_and_truncated_files(tmp_path, tiny_target):
+    with pytest.raises(ModelFileError, match="not found"):
+        LlamaModel(tmp_path / "nope.gguf", PARAMS)
+    foreign = tmp_path / "foreign.gguf"
+    foreign.write_bytes(b"PK\x03\x04 not a model")
+    with pytest.raises(ModelFileError, match="not a GGUF"):
+        LlamaModel(foreign, PARAMS)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_target.read_bytes()[: tiny_target.stat().st_size // 2])
+    with pytest.raises(ModelFileError, match="truncated"):
+        LlamaModel(cut, PARAMS)
+
+
+def test_common_prefix():
+    a = list(range(3000))
+    assert common_prefix(a, a) == 3000
+    assert common_prefix(a, a[:1500] + [-1]) == 1500
+    assert common_prefix(a, a[:2990] + [-1]) == 2990
+    assert common_prefix([], a) == 0
+

@@ -1,0 +1,93 @@
+"""Stop strings, streaming text and the sampling distributions, on hand-made inputs."""
+
+import numpy as np
+import pytest
+
+from via_edge.errors import InvalidParameterError
+from via_edge.sampling import SamplingParams, probs, ratio_to_top, sample, top_prob
+from via_edge.text import StopMatcher
+
+
+def feed_all(matcher, pieces):
+    out, hit = [], False
+    for p in pieces:
+        text, hit = matcher.feed(p)
+        out.append(text)
+        if hit:
+            break
+    if not hit:
+        out.append(matcher.flush())
+    return "".join(out), hit
+
+
+def test_stop_string_split_across_pieces():
+    text, hit = feed_all(StopMatcher(["###"]), ["ab#", "#", "#cd"])
+    assert (text, hit) == ("ab", True)
+
+
+def test_held_back_text_is_released_when_no_stop_follows():
+    m = StopMatcher(["</end>"])
+    shown, hit = m.feed("x </e")
+    assert shown == "x " and not hit  # "</e" could begin the stop string: held back
+    assert feed_all(m, ["nd!"]) == ("</end!", False)
+
+
+def test_earliest_of_several_stops_wins():
+    assert feed_all(StopMatcher(["b", "abc"]), ["xxabc"]) == ("xx", True)
+    assert feed_all(StopMatcher(["c", "ab"]), ["xxa", "bc"]) == ("xx", True)
+
+
+def test_no_stops_passes_everything():
+    m = StopMatcher([])
+    assert m.feed("abc") == ("abc", False)
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_k=-1), dict(top_p=0), dict(top_p=1.5),
+                                    dict(min_p=1.0), dict(min_p=-0.1), dict(seed=-3),
+                                    dict(temperature=float("nan"))])
+def test_invalid_sampling_values(kwargs):
+    with pytest.raises(InvalidParameterError):
+        SamplingParams(**kwargs)
+
+
+def reference_probs(logits, t, k, p, mp):
+    """Straightforward sort-based version of llama.cpp's chain, to check the fast one against."""
+    x = logits.astype(np.float64)
+    soft = np.exp(x - x.max())
+    soft /= soft.sum()
+    order = np.argsort(-soft, kind="stable")
+    keep = np.zeros_like(soft, dtype=bool)
+    keep[order[: k or len(x)]] = True
+    if p < 1:
+        cum = np.cumsum(soft[order[: k or len(x)]] / soft[keep].sum())
+        n = np.searchsorted(cum, p) + 1
+        keep[:] = False
+        keep[order[:n]] = True
+    keep &= soft >= mp * soft.max()
+    y = np.where(keep, x / t, -np.inf)
+    out = np.exp(y - y.max())
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("t,k,p,mp", [(1.0, 0, 1.0, 0.0), (0.7, 40, 1.0, 0.0), (1.3, 0, 0.9, 0.0),
+                                      (1.0, 0, 1.0, 0.05), (0.8, 50, 0.8, 0.02), (1.0, 0, 0.999, 0.0)])
+def test_probs_match_reference(t, k, p, mp):
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal(5000) * 3).astype(np.float32)
+    got = probs(logits, SamplingParams(temperature=t, top_k=k, top_p=p, min_p=mp))
+    assert np.allclose(got, reference_probs(logits, t, k, p, mp), atol=1e-12)
+
+
+def test_scores_without_full_softmax():
+    logits = np.array([0.0, 2.0, 1.0], dtype=np.float32)
+    e = np.exp(logits - 2.0)
+    assert ratio_to_top(logits, 2) == pytest.approx(np.exp(-1.0))
+    best, p = top_prob(logits)
+    assert best == 1 and p == pytest.approx(1 / e.sum())
+
+
+def test_sample_frequencies():
+    p = np.array([0.5, 0.25, 0.125, 0.125])
+    rng = np.random.default_rng(1)
+    counts = np.bincount([sample(p, rng) for _ in range(20000)], minlength=4) / 20000
+    assert np.abs(counts - p).max() < 0.015  # ~4 standard errors at n=20000

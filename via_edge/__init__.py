@@ -1,0 +1,23 @@
+"""via-edge: speculative decoding with intra-model routing (VIA-SD) for local LLMs on llama.cpp."""
+
+from .decoding import SpecParams
+from .engine import Engine, Piece, Result
+from .errors import (
+    CatalogError,
+    ContextOverflowError,
+    DownloadError,
+    IncompatibleModelsError,
+    InvalidParameterError,
+    LayerSpecError,
+    ModelFileError,
+    ViaEdgeError,
+)
+from .sampling import SamplingParams
+from .stats import Stats
+
+__version__ = "0.1.0"
+__all__ = [
+    "Engine", "Piece", "Result", "SpecParams", "SamplingParams", "Stats",
+    "ViaEdgeError", "ModelFileError", "CatalogError", "DownloadError", "IncompatibleModelsError",
+    "LayerSpecError", "InvalidParameterError", "ContextOverflowError",
+]

@@ -1,0 +1,228 @@
+"""The decoding loop: plain (`ar`), speculative (`sd`), VIA-SD three-tier (`via`) and lossless
+hierarchical (`hier`), as one generator that yields each committed token with its origin.
+
+One round of `via` (Xian et al., 2026, Alg. 1, on llama.cpp):
+
+    draft  d_1..d_k                          drafter proposes
+    slim   q'(. | x, d_<i) for all i          one batched slim call (catches up on new context too)
+    for each d_i in order, r_i = q'(d_i) / max q'
+        r_i >= tau_accept            -> keep d_i                          (tier A)
+        tau_full <= r_i < tau_accept -> slim regenerates; stop if it differs (tier B)
+        r_i < tau_full               -> target verifies d_i.. with the sd rule (tier C)
+
+The target is only called in tier C (or when its lag behind the committed text reaches
+`max_lag`), and then catches up on everything committed since its last call in the same batch.
+`sd` and `hier` are lossless: greedy output equals the target's greedy output, and sampled output
+follows the target's distribution exactly (Leviathan et al. 2023; Chen et al. 2023).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from .drafters import Draft, Drafter
+from .errors import InvalidParameterError
+from .llama import LlamaModel, common_prefix
+from .sampling import SamplingParams, pick, probs, ratio_to_top, sample
+from .stats import Stats
+
+MODES = ("ar", "sd", "via", "hier")
+ROUTES = ("slim", "draft", "both")
+DRAFT, SLIM, TARGET = "draft", "slim", "target"
+
+
+@dataclass(frozen=True)
+class SpecParams:
+    """Speculation knobs, validated once; defaults are sane for a 2-core CPU (see docs/design.md)."""
+
+    n_draft: int = 6          # tokens the drafter proposes per round (llama.cpp --draft-max)
+    tau_accept: float = 0.9   # via: routing score at or above which a draft token is kept as is
+    tau_full: float = 0.3     # via: score below which the full target verifies
+    route: str = "slim"       # via: routing score from the slim, the draft's own probability, or both
+    max_lag: int = 32         # via: the target verifies at the latest after this many unseen tokens
+    hier_block: int = 12      # hier: tokens the slim assembles before one target verification
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.n_draft <= 64:
+            raise InvalidParameterError(f"n_draft must be in 1..64, got {self.n_draft}")
+        if not 0 <= self.tau_accept <= 1:
+            raise InvalidParameterError(f"tau_accept must be in [0, 1], got {self.tau_accept}")
+        if not 0 <= self.tau_full <= 2:
+            raise InvalidParameterError(f"tau_full must be in [0, 2] (above 1: every token to the target), "
+                                        f"got {self.tau_full}")
+        if self.tau_full > self.tau_accept and self.tau_full <= 1:
+            raise InvalidParameterError(f"tau_full ({self.tau_full}) must not exceed tau_accept "
+                                        f"({self.tau_accept})")
+        if self.route not in ROUTES:
+            raise InvalidParameterError(f"route must be one of {', '.join(ROUTES)}, got {self.route!r}")
+        if self.max_lag < 0:
+            raise InvalidParameterError(f"max_lag must be >= 0 (0 = unbounded), got {self.max_lag}")
+        if not 2 <= self.hier_block <= 128:
+            raise InvalidParameterError(f"hier_block must be in 2..128, got {self.hier_block}")
+
+
+class Decoder:
+    """Holds the models of one engine and runs one generation at a time."""
+
+    def __init__(self, target: LlamaModel, drafter: Drafter | None = None, slim: LlamaModel | None = None,
+                 spec: SpecParams = SpecParams()) -> None:
+        self.target, self.drafter, self.slim, self.spec = target, drafter, slim, spec
+
+    def generate(self, prompt: Sequence[int], mode: str, sp: SamplingParams, max_new: int,
+                 stats: Stats) -> Iterator[tuple[int, str, str]]:
+        """Yield (token, origin, tier) until EOS, `max_new` tokens or a full context window.
+
+        The caller may stop early (stop strings); KV caches stay consistent either way because
+        every model re-syncs to the committed context at its next call.
+        """
+        if mode not in MODES:
+            raise InvalidParameterError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode != "ar" and self.drafter is None:
+            raise InvalidParameterError(f"mode {mode} needs a drafter")
+        if mode in ("via", "hier") and self.slim is None:
+            raise InvalidParameterError(f"mode {mode} needs a slim verifier")
+        rng = sp.rng()
+        ctx = list(prompt)
+        rounds = {"ar": self._ar_round, "sd": self._sd_round, "via": self._via_round,
+                  "hier": self._hier_round}[mode]
+        produced = 0
+        while produced < max_new and len(ctx) < self.target.n_ctx:
+            budget = min(max_new - produced, self.target.n_ctx - len(ctx))
+            stats.rounds += 1
+            for tok, origin, tier in rounds(ctx, sp, rng, stats, budget):
+                ctx.append(tok)
+                produced += 1
+                stats.count(origin, tier)
+                yield tok, origin, tier
+                if self.target.is_eog(tok) or produced >= max_new:
+                    return
+
+    # ---- shared pieces --------------------------------------------------------------------------
+    def _draft(self, ctx: list[int], budget: int, sp: SamplingParams, rng: np.random.Generator,
+               stats: Stats, k: int | None = None, reserve: int = 1) -> Draft:
+        """Up to k tokens, leaving `reserve` places for the verifier's own token (budget, context)."""
+        k = min(self.spec.n_draft if k is None else k, budget - reserve,
+                self.target.n_ctx - len(ctx) - reserve)
+        if k <= 0:
+            return Draft()
+        draft = self.drafter.propose(ctx, k, sp, rng)
+        stats.draft_n += len(draft)
+        return draft
+
+    @staticmethod
+    def _verify(rows: np.ndarray, tokens: Sequence[int], qs: Sequence[np.ndarray] | None,
+                sp: SamplingParams, rng: np.random.Generator) -> tuple[int, int]:
+        """The sd rule: (how many of `tokens` are accepted, the verifier's next token).
+
+        rows[i] is the verifier's logits for the position of tokens[i]; rows[len] is the bonus row.
+        Greedy: longest prefix equal to the argmax. Sampling: accept with min(1, p/q), else draw
+        from the normalised residual max(0, p - q).
+        """
+        for i, tok in enumerate(tokens):
+            if sp.greedy:
+                best = int(rows[i].argmax())
+                if best != tok:
+                    return i, best
+                continue
+            p = probs(rows[i], sp)
+            q = qs[i]
+            if rng.random() * q[tok] < p[tok]:
+                continue
+            residual = np.maximum(p - q, 0.0)
+            return i, sample(residual if residual.sum() > 0 else p, rng)
+        return len(tokens), pick(rows[len(tokens)], sp, rng)
+
+    # ---- modes ----------------------------------------------------------------------------------
+    def _ar_round(self, ctx, sp, rng, stats, budget):
+        row = self.target.eval(ctx, 1)[0]
+        return [(pick(row, sp, rng), TARGET, "C")]
+
+    def _sd_round(self, ctx, sp, rng, stats, budget):
+        draft = self._draft(ctx, budget, sp, rng, stats)
+        if not draft.tokens:
+            return self._ar_round(ctx, sp, rng, stats, budget)
+        return self._target_verifies(ctx, draft.tokens, draft.q, sp, rng)
+
+    def _target_verifies(self, ctx, tokens, qs, sp, rng, origins=None):
+        rows = self.target.eval(ctx + list(tokens), len(tokens) + 1)
+        n, nxt = self._verify(rows, tokens, qs, sp, rng)
+        origins = origins or [DRAFT] * len(tokens)
+        return [(t, o, "C") for t, o in zip(tokens[:n], origins[:n])] + [(nxt, TARGET, "C")]
+
+    def _via_round(self, ctx, sp, rng, stats, budget):
+        spec = self.spec
+        # tiers A/B add no token of their own, so the draft may fill the budget, unless every
+        # token goes to the target anyway (tau_full > 1), which must then behave exactly like sd
+        draft = self._draft(ctx, budget, sp, rng, stats, reserve=int(spec.tau_full > 1))
+        if not draft.tokens:
+            return self._ar_round(ctx, sp, rng, stats, budget)
+        lag = len(ctx) - common_prefix(self.target.tokens, ctx)
+        needs_slim = spec.tau_accept > 0 and spec.tau_full <= 1 and not self._lag_exceeded(lag)
+        srows = self.slim.eval(ctx + draft.tokens, len(draft)) if needs_slim else None
+        out: list[tuple[int, str, str]] = []
+        for i, tok in enumerate(draft.tokens):
+            tier = self._tier(srows, draft, i, lag + len(out))
+            if tier == "B":
+                regen = pick(srows[i], sp, rng)
+                if regen != tok:
+                    return out + [(regen, SLIM, "B")]
+            if tier in ("A", "B"):
+                out.append((tok, DRAFT, tier))
+            else:
+                committed = ctx + [t for t, _, _ in out]
+                qs = draft.q[i:] if draft.q is not None else None
+                return out + self._target_verifies(committed, draft.tokens[i:], qs, sp, rng)
+            if self.target.is_eog(tok):
+                break
+        return out
+
+    def _lag_exceeded(self, lag: int) -> bool:
+        return bool(self.spec.max_lag) and lag >= self.spec.max_lag
+
+    def _tier(self, srows: np.ndarray | None, draft: Draft, i: int, lag: int) -> str:
+        spec = self.spec
+        if self._lag_exceeded(lag) or spec.tau_full > 1:
+            return "C"
+        if spec.tau_accept <= 0:
+            return "A"
+        r = self._score(srows, draft, i)
+        return "A" if r >= spec.tau_accept else "B" if r >= spec.tau_full else "C"
+
+    def _score(self, srows: np.ndarray, draft: Draft, i: int) -> float:
+        tok = draft.tokens[i]
+        if self.spec.route == "draft":
+            return draft.conf[i]
+        slim_r = ratio_to_top(srows[i], tok)
+        return slim_r if self.spec.route == "slim" else min(slim_r, draft.conf[i])
+
+    def _hier_round(self, ctx, sp, rng, stats, budget):
+        """The slim turns cheap drafts into a longer block; the target verifies it once."""
+        limit = min(self.spec.hier_block, budget - 1, self.target.n_ctx - len(ctx) - 1)
+        block: list[int] = []
+        origins: list[str] = []
+        qs: list[np.ndarray] | None = None if sp.greedy else []
+        while len(block) < limit:
+            base = ctx + block
+            draft = self._draft(base, limit - len(block) + 1, sp, rng, stats,
+                                k=min(self.spec.n_draft, limit - len(block)))
+            srows = self.slim.eval(base + draft.tokens, len(draft) + 1)
+            n, nxt = self._verify(srows, draft.tokens, draft.q, sp, rng)
+            new = draft.tokens[:n] + [nxt]
+            if qs is not None:
+                qs.extend(probs(srows[j], sp) for j in range(n + 1))
+            block += new
+            origins += [DRAFT] * n + [SLIM]
+            if any(self.target.is_eog(t) for t in new):
+                cut = next(j for j, t in enumerate(block) if self.target.is_eog(t)) + 1
+                block, origins = block[:cut], origins[:cut]
+                qs = qs[:cut] if qs is not None else None
+                break
+        block, origins = block[:limit], origins[:limit]
+        if qs is not None:
+            qs = qs[:limit]
+        if not block:
+            return self._ar_round(ctx, sp, rng, stats, budget)
+        return self._target_verifies(ctx, block, qs, sp, rng, origins)

@@ -1,0 +1,310 @@
+"""The engine: loads a target (and, as modes need them, a drafter and a slim verifier) once,
+turns prompts into tokens, runs the decoding loop and turns tokens back into streamed text.
+
+    from via_edge import Engine
+    with Engine.from_pair("smollm2", mode="sd") as engine:
+        print(engine.generate("Name three primes.", max_tokens=32).text)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Iterator, Mapping, Sequence
+
+from . import models as catalog
+from .decoding import MODES, Decoder, SpecParams
+from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, check_compatible
+from .errors import ContextOverflowError, InvalidParameterError
+from .llama import LlamaModel, LoadParams
+from .prompts import render_chat
+from .sampling import SamplingParams
+from .slim import build_slim, is_prefix, slice_seq_state, slim_layers
+from .stats import Stats
+from .text import StopMatcher, StreamDecoder
+
+ENGINE_MODES = MODES + ("lookup",)  # lookup = sd with the prompt-lookup drafter
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A piece of streamed text and the origin of the token that completed it."""
+
+    text: str
+    token: int
+    origin: str
+
+
+@dataclass
+class Result:
+    text: str
+    tokens: list[int]
+    origins: list[str]  # per token: draft, slim or target (which model produced it)
+    tiers: list[str]    # per token: A, B or C (what decided it; see Stats)
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    stats: Stats
+    mode: str
+    prompt_tokens: int
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "tokens": self.tokens, "origins": self.origins, "tiers": self.tiers,
+                "finish_reason": self.finish_reason, "mode": self.mode,
+                "prompt_tokens": self.prompt_tokens, "stats": self.stats.to_dict()}
+
+
+@dataclass
+class _Models:
+    target: LlamaModel
+    draft: LlamaModel | None = None
+    slim: LlamaModel | None = None
+    slim_prefix: int | None = None  # blocks kept, when the slim is a prefix of the target
+
+
+class Engine:
+    """One target plus optional draft and slim, loaded once and reused across calls."""
+
+    def __init__(
+        self,
+        target: str | Path,
+        draft: str | Path | None = None,
+        slim: str | Path | None = None,
+        *,
+        mode: str = "ar",
+        draft_layers: str | None = None,
+        slim_layers: str | None = None,
+        n_ctx: int = 4096,
+        n_threads: int | None = None,
+        n_gpu_layers: int = -1,
+        flash_attn: bool | None = None,
+        use_extra_bufts: bool | None = None,
+        kv_type: str = "f16",
+        spec: SpecParams = SpecParams(),
+        n_min: int = 0,
+        p_min: float = 0.0,
+        lookup_ngram: int = 3,
+        slim_kv: str = "import",
+        pull_missing: bool = False,
+        progress: Callable[[str, float], None] | None = None,
+    ) -> None:
+        if mode not in ENGINE_MODES:
+            raise InvalidParameterError(f"mode must be one of {', '.join(ENGINE_MODES)}, got {mode!r}")
+        if slim_kv not in ("import", "prefill"):
+            raise InvalidParameterError("slim_kv must be 'import' or 'prefill'")
+        self.mode = mode
+        self.spec = spec
+        self.load = LoadParams(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
+                               flash_attn=flash_attn, use_extra_bufts=use_extra_bufts, kv_type=kv_type)
+        self._progress = progress
+        self._pull = pull_missing
+        self.target_path = catalog.resolve(target, pull_missing=pull_missing)
+        self._draft_spec, self._draft_layers = draft, draft_layers
+        self._slim_spec, self._slim_layers = slim, slim_layers
+        self._n_min, self._p_min, self._lookup_ngram = n_min, p_min, lookup_ngram
+        self._slim_kv = slim_kv
+        self.models = _Models(self._load("target", self.target_path))
+        self._drafters: dict[str, Drafter] = {}
+        self.total = Stats()
+        self.last_result: Result | None = None
+        self._prepare(mode)
+
+    # ---- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_pair(cls, name: str | None = None, **kwargs) -> "Engine":
+        """An engine for a catalog pair (default: the catalog's default pair)."""
+        pair = catalog.pair(name)
+        kwargs.setdefault("draft_layers", pair.get("draft_layers"))
+        kwargs.setdefault("slim_layers", pair.get("slim_layers"))
+        return cls(pair["target"], pair.get("draft"), **kwargs)
+
+    def _load(self, role: str, path: Path) -> LlamaModel:
+        cb = None
+        if self._progress is not None:
+            cb = lambda frac, role=role: self._progress(role, frac)  # noqa: E731
+        return LlamaModel(path, self.load, progress=cb)
+
+    def _prepare(self, mode: str) -> None:
+        """Load whatever `mode` needs that is not loaded yet."""
+        m = self.models
+        if mode in ("sd", "via", "hier") and m.draft is None:
+            if self._draft_spec is not None:
+                path = catalog.resolve(self._draft_spec, pull_missing=self._pull)
+            elif self._draft_layers:
+                path = build_slim(self.target_path, self._draft_layers)
+            else:
+                raise InvalidParameterError(f"mode {mode} needs a draft model (or draft_layers)")
+            m.draft = self._load("draft", path)
+            check_compatible(m.target, m.draft, "draft")
+        if mode in ("via", "hier") and m.slim is None:
+            if self._slim_spec is not None:
+                path = Path(catalog.resolve(self._slim_spec))
+            elif self._slim_layers:
+                path = build_slim(self.target_path, self._slim_layers)
+            else:
+                raise InvalidParameterError(f"mode {mode} needs a slim verifier (or slim_layers)")
+            m.slim = self._load("slim", path)
+            check_compatible(m.target, m.slim, "slim")
+            recorded = slim_layers(path)
+            if recorded and is_prefix(recorded[0]) and recorded[1] == m.target.n_layer:
+                m.slim_prefix = len(recorded[0])
+
+    def _drafter(self, mode: str) -> Drafter | None:
+        if mode == "ar":
+            return None
+        kind = "lookup" if mode == "lookup" else "model"
+        if kind not in self._drafters:
+            if kind == "lookup":
+                self._drafters[kind] = PromptLookupDrafter(self.models.target.n_vocab, self._lookup_ngram)
+            else:
+                self._drafters[kind] = ModelDrafter(self.models.draft, n_min=self._n_min, p_min=self._p_min)
+        return self._drafters[kind]
+
+    # ---- lifetime -------------------------------------------------------------------------------
+    def close(self) -> None:
+        for m in (self.models.slim, self.models.draft, self.models.target):
+            if m is not None:
+                m.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- prompts --------------------------------------------------------------------------------
+    @property
+    def target(self) -> LlamaModel:
+        return self.models.target
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        t = self.target
+        bos = t.token_bytes(t.bos, special=True).decode("utf-8", "replace") if t.bos >= 0 else ""
+        eos = t.token_bytes(t.eos, special=True).decode("utf-8", "replace") if t.eos >= 0 else ""
+        text = render_chat(t.chat_template, messages, bos_token=bos, eos_token=eos)
+        add_bos = t.add_bos and not (bos and text.startswith(bos))
+        return t.tokenize(text, add_special=add_bos, parse_special=True)
+
+    def tokens_for(self, prompt: str | Sequence[int], chat_template: bool) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if chat_template:
+            return self.chat_prompt([{"role": "user", "content": prompt}])
+        return self.target.tokenize(prompt, add_special=True, parse_special=False)
+
+    # ---- generation -----------------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[int], **kwargs) -> Result:
+        """Generate to completion; see `stream` for the parameters."""
+        for _ in self.stream(prompt, **kwargs):
+            pass
+        return self.last_result
+
+    def chat(self, messages: Sequence[Mapping[str, str]], **kwargs) -> Result:
+        return self.generate(self.chat_prompt(messages), **kwargs)
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int = 256,
+        stop: Sequence[str] = (),
+        mode: str | None = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        chat_template: bool = True,
+        spec: SpecParams | None = None,
+    ) -> Iterator[Piece]:
+        """Yield text pieces as tokens are committed; `self.last_result` holds the full result.
+
+        A str prompt gets the model's chat template unless `chat_template=False`; a token list is
+        used as is. `temperature=0` is greedy.
+        """
+        mode = mode or self.mode
+        if mode not in ENGINE_MODES:
+            raise InvalidParameterError(f"mode must be one of {', '.join(ENGINE_MODES)}, got {mode!r}")
+        if max_tokens < 1:
+            raise InvalidParameterError(f"max_tokens must be >= 1, got {max_tokens}")
+        sp = SamplingParams(temperature, top_k, top_p, min_p, seed)
+        self._prepare(mode)
+        tokens = self.tokens_for(prompt, chat_template)
+        if not tokens:
+            raise InvalidParameterError("the prompt is empty")
+        if len(tokens) >= self.target.n_ctx:
+            raise ContextOverflowError(f"the prompt has {len(tokens)} tokens but the context window holds "
+                                       f"{self.target.n_ctx}; shorten it or raise n_ctx")
+        return self._run(tokens, mode, sp, max_tokens, stop, spec or self.spec)
+
+    def _run(self, prompt: list[int], mode: str, sp: SamplingParams, max_tokens: int,
+             stop: Sequence[str], spec: SpecParams) -> Iterator[Piece]:
+        m = self.models
+        stats = Stats(prompt_tokens=len(prompt))
+        loop_mode = "sd" if mode == "lookup" else mode
+        used = [("target", m.target)]
+        if loop_mode in ("sd", "via", "hier") and mode != "lookup":
+            used.append(("draft", m.draft))
+        if loop_mode in ("via", "hier"):
+            used.append(("slim", m.slim))
+        before = {role: replace(model.usage) for role, model in used}
+
+        t0 = time.perf_counter()
+        self._prefill(prompt[:-1], used)
+        stats.prefill_seconds = time.perf_counter() - t0
+
+        decoder = Decoder(m.target, self._drafter(mode), m.slim, spec)
+        text_out = StreamDecoder()
+        stops = StopMatcher(stop)
+        out_tokens: list[int] = []
+        origins: list[str] = []
+        tiers: list[str] = []
+        pieces: list[str] = []
+        finish, stopped_by_string = "length", False
+        t1 = time.perf_counter()
+        gen = decoder.generate(prompt, loop_mode, sp, max_tokens, stats)
+        try:
+            for tok, origin, tier in gen:
+                out_tokens.append(tok)
+                origins.append(origin)
+                tiers.append(tier)
+                if m.target.is_eog(tok):
+                    finish = "stop"
+                    break
+                text, stopped_by_string = stops.feed(text_out.feed(m.target.token_bytes(tok)))
+                if text:
+                    pieces.append(text)
+                    yield Piece(text, tok, origin)
+                if stopped_by_string:
+                    finish = "stop"
+                    break
+        finally:
+            gen.close()
+        if not stopped_by_string:  # release bytes and text held back for a match that never came
+            tail, hit = stops.feed(text_out.flush())
+            tail += "" if hit else stops.flush()
+            if tail:
+                pieces.append(tail)
+                yield Piece(tail, out_tokens[-1] if out_tokens else -1, origins[-1] if origins else "target")
+        stats.generate_seconds = time.perf_counter() - t1
+        for role, model in used:
+            setattr(stats, role, model.usage.since(before[role]))
+        self.total += stats
+        self.last_result = Result("".join(pieces), out_tokens, origins, tiers, finish, stats, mode, len(prompt))
+
+    def _prefill(self, tokens: list[int], used: list[tuple[str, LlamaModel]]) -> None:
+        """Fill every model's KV with the prompt (all but its last token, which each round decodes).
+
+        A prefix slim imports the target's KV instead of recomputing it (see docs/design.md).
+        """
+        if not tokens:
+            for _, model in used:
+                model.reset()
+            return
+        m = self.models
+        for role, model in used:
+            if role == "slim" and m.slim_prefix and self._slim_kv == "import":
+                if model.tokens[:len(tokens)] != tokens:
+                    state = slice_seq_state(m.target.seq_state(), m.slim_prefix)
+                    model.set_seq_state(state, m.target.tokens)
+                continue
+            model.prefill(tokens)

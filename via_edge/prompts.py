@@ -1,0 +1,48 @@
+"""Chat prompts rendered from the GGUF's own `tokenizer.chat_template` (Jinja, as HF renders it)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from functools import lru_cache
+from typing import Mapping, Sequence
+
+from .errors import InvalidParameterError
+
+Message = Mapping[str, str]
+
+
+@lru_cache(maxsize=8)
+def _compile(template: str):
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+    def raise_exception(message: str):
+        raise InvalidParameterError(f"chat template refused the messages: {message}")
+
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def render_chat(
+    template: str | None,
+    messages: Sequence[Message],
+    *,
+    bos_token: str = "",
+    eos_token: str = "",
+    add_generation_prompt: bool = True,
+) -> str:
+    """The prompt text for `messages`; a model without a template gets plain ChatML."""
+    for m in messages:
+        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+            raise InvalidParameterError("each chat message needs a 'role' and a 'content'")
+    if not template:
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+    return _compile(template).render(
+        messages=[dict(m) for m in messages],
+        add_generation_prompt=add_generation_prompt,
+        bos_token=bos_token,
+        eos_token=eos_token,
+    )

@@ -1,0 +1,108 @@
+"""Decoding statistics, named like llama.cpp's where they overlap (`draft_n`, `draft_n_accepted`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+
+@dataclass
+class ModelUsage:
+    """llama_decode calls, tokens decoded (catch-up and drafts included) and their wall time."""
+
+    calls: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def since(self, before: "ModelUsage") -> "ModelUsage":
+        return ModelUsage(self.calls - before.calls, self.tokens - before.tokens,
+                          self.seconds - before.seconds)
+
+
+@dataclass
+class Stats:
+    """Counters for one generation; `+=` merges them into session totals.
+
+    Tiers (VIA-SD): A = draft token accepted on the routing score alone, B = token decided by the
+    slim verifier, C = token decided by the full target. In `sd`/`hier` every token is tier C.
+    """
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    rounds: int = 0
+    draft_n: int = 0              # tokens proposed by the drafter
+    draft_n_accepted: int = 0     # proposed tokens that were committed (any tier)
+    tier_a: int = 0               # accepted without any verifier (routing score >= tau_accept)
+    tier_b: int = 0               # decided by the slim verifier
+    tier_b_replaced: int = 0      # ... of which the slim replaced the draft token
+    tier_c: int = 0               # decided by the target (accepted drafts + its own tokens)
+    target_tokens: int = 0        # tokens emitted by the target itself (corrections and bonuses)
+    slim_tokens: int = 0          # tokens emitted by the slim itself (replacements, hier corrections)
+    prefill_seconds: float = 0.0
+    generate_seconds: float = 0.0
+    draft: ModelUsage = field(default_factory=ModelUsage)
+    slim: ModelUsage = field(default_factory=ModelUsage)
+    target: ModelUsage = field(default_factory=ModelUsage)
+
+    def count(self, origin: str, tier: str) -> None:
+        """Account for one committed token: who produced it and which tier decided it."""
+        self.generated_tokens += 1
+        if tier == "A":
+            self.tier_a += 1
+        elif tier == "B":
+            self.tier_b += 1
+            self.tier_b_replaced += origin == "slim"
+        else:
+            self.tier_c += 1
+        if origin == "draft":
+            self.draft_n_accepted += 1
+        elif origin == "slim":
+            self.slim_tokens += 1
+        else:
+            self.target_tokens += 1
+
+    @property
+    def rejected(self) -> int:
+        return self.draft_n - self.draft_n_accepted
+
+    @property
+    def rejection_rate(self) -> float:
+        return self.rejected / self.draft_n if self.draft_n else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.draft_n_accepted / self.draft_n if self.draft_n else 0.0
+
+    @property
+    def mean_accepted_per_round(self) -> float:
+        return self.draft_n_accepted / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.generate_seconds if self.generate_seconds else 0.0
+
+    @property
+    def prompt_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    def __iadd__(self, other: "Stats") -> "Stats":
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, ModelUsage):
+                mine.calls += theirs.calls
+                mine.tokens += theirs.tokens
+                mine.seconds += theirs.seconds
+            else:
+                setattr(self, f.name, mine + theirs)
+        return self
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(
+            rejected=self.rejected,
+            rejection_rate=round(self.rejection_rate, 4),
+            acceptance_rate=round(self.acceptance_rate, 4),
+            mean_accepted_per_round=round(self.mean_accepted_per_round, 3),
+            tokens_per_second=round(self.tokens_per_second, 3),
+            prompt_tokens_per_second=round(self.prompt_tokens_per_second, 3),
+        )
+        return d
