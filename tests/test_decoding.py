@@ -102,8 +102,21 @@ def test_via_with_tau_accept_zero_is_the_drafts_own_output(engines):
             own = run(draft_only, prompt, "ar")
             assert via.tokens == own.tokens
             prefill_only = len(engine.tokens_for(prompt, False)) - 1
-            assert via.stats.target.tokens == prefill_only and via.stats.tier_a == len(via.tokens)
+            assert via.stats.target.tokens <= prefill_only and via.stats.tier_a == len(via.tokens)
         draft_only.close()
+
+
+def test_via_with_the_whole_target_as_slim_is_exact(tiny_target):
+    """A slim of every block is the target: tier A (score 1 = its argmax) and tier B (its argmax)
+    both give the target's greedy token, and the target itself never runs after the prompt."""
+    spec = SpecParams(n_draft=4, tau_accept=1.0, tau_full=0.0, max_lag=0)
+    with Engine(tiny_target, draft_layers="0-1", slim_layers="0-3", **EXACT) as engine:
+        for prompt in PROMPTS:
+            ar = run(engine, prompt, "ar")
+            via = run(engine, prompt, "via", spec=spec)
+            assert via.tokens == ar.tokens
+            assert set(via.tiers) <= {"A", "B"} and via.stats.tier_b_replaced > 0
+            assert via.stats.target.tokens <= len(engine.tokens_for(prompt, False)) - 1  # prompt only
 
 
 def test_via_stats_add_up(engines):
@@ -152,24 +165,22 @@ def test_invalid_spec_values():
             SpecParams(**kw)
 
 
-def test_stochastic_sd_matches_target_distribution(engines):
-    """First emitted token of sampled sd vs the target's own softmax: chi-square at p = 0.001.
+def test_stochastic_sd_and_hier_match_target_distribution(engines):
+    """First emitted token of sampled sd and hier vs the target's own softmax: chi-square at p = 0.001.
 
     N = 6000 draws detect a 2% shift of mass between two likely tokens with high probability;
     the same statistic computed against the draft's distribution must reject, showing the test
     has the power to see a wrong rule.
     """
     engine = engines[0]
+    engine.prepare("hier")
     sp = dict(temperature=25.0)
     prompt_tokens = engine.tokens_for("the cat is here", False)
     p = probs(engine.models.target.eval(prompt_tokens, 1)[0], SamplingParams(**sp))
     q = probs(engine.models.draft.eval(prompt_tokens, 1)[0], SamplingParams(**sp))
     n = 6000
-    firsts = [engine.generate(prompt_tokens, mode="sd", max_tokens=2, seed=i, spec=SpecParams(n_draft=3),
-                              **sp).tokens[0] for i in range(n)]
-    counts = np.bincount(firsts, minlength=p.size)
 
-    def stat(dist):
+    def stat(dist, counts):
         big = dist * n >= 5
         obs = np.append(counts[big], counts[~big].sum())
         exp = np.append(dist[big] * n, dist[~big].sum() * n)
@@ -178,8 +189,12 @@ def test_stochastic_sd_matches_target_distribution(engines):
         return chi2_sf(chi, keep.sum() - 1)
 
     assert np.abs(p - q).sum() > 0.1  # the draft really differs, so the residual path runs
-    assert stat(p) > 0.001
-    assert stat(q) < 0.001
+    for mode in ("sd", "hier"):
+        firsts = [engine.generate(prompt_tokens, mode=mode, max_tokens=2, seed=i, **sp,
+                                  spec=SpecParams(n_draft=3, tau_full=0.2)).tokens[0] for i in range(n)]
+        counts = np.bincount(firsts, minlength=p.size)
+        assert stat(p, counts) > 0.001, mode
+        assert stat(q, counts) < 0.001, mode
 
 
 def test_chi2_sf_known_values():

@@ -1,7 +1,7 @@
 """The decoding loop: plain (`ar`), speculative (`sd`), VIA-SD three-tier (`via`) and lossless
 hierarchical (`hier`), as one generator that yields each committed token with its origin.
 
-One round of `via` (Xian et al., 2026, Alg. 1, on llama.cpp):
+One round of `via` (after Xian et al., 2026, on llama.cpp):
 
     draft  d_1..d_k                          drafter proposes
     slim   q'(. | x, d_<i) for all i          one batched slim call (catches up on new context too)
@@ -146,11 +146,11 @@ class Decoder:
             return self._ar_round(ctx, sp, rng, stats, budget)
         return self._target_verifies(ctx, draft.tokens, draft.q, sp, rng)
 
-    def _target_verifies(self, ctx, tokens, qs, sp, rng, origins=None):
-        rows = self.target.eval(ctx + list(tokens), len(tokens) + 1)
+    def _target_verifies(self, ctx, tokens, qs, sp, rng):
+        """One batched target call: catch up on unseen context, verify `tokens`, add its own token."""
+        rows = self.target.eval(ctx + tokens, len(tokens) + 1)
         n, nxt = self._verify(rows, tokens, qs, sp, rng)
-        origins = origins or [DRAFT] * len(tokens)
-        return [(t, o, "C") for t, o in zip(tokens[:n], origins[:n])] + [(nxt, TARGET, "C")]
+        return [(t, DRAFT, "C") for t in tokens[:n]] + [(nxt, TARGET, "C")]
 
     def _via_round(self, ctx, sp, rng, stats, budget):
         spec = self.spec
@@ -161,7 +161,8 @@ class Decoder:
             return self._ar_round(ctx, sp, rng, stats, budget)
         lag = len(ctx) - common_prefix(self.target.tokens, ctx)
         needs_slim = spec.tau_accept > 0 and spec.tau_full <= 1 and not self._lag_exceeded(lag)
-        srows = self.slim.eval(ctx + draft.tokens, len(draft)) if needs_slim else None
+        # srows[i] is the slim's prediction for the position of draft token i
+        srows = self.slim.eval(ctx + draft.tokens[:-1], len(draft)) if needs_slim else None
         out: list[tuple[int, str, str]] = []
         for i, tok in enumerate(draft.tokens):
             tier = self._tier(srows, draft, i, lag + len(out))
@@ -199,30 +200,30 @@ class Decoder:
         return slim_r if self.spec.route == "slim" else min(slim_r, draft.conf[i])
 
     def _hier_round(self, ctx, sp, rng, stats, budget):
-        """The slim turns cheap drafts into a longer block; the target verifies it once."""
+        """The slim filters and extends drafts; the target verifies the longer block once.
+
+        Draft chunks are scored by the slim as in `via`; the block is cut before the first token
+        scoring below tau_full (the target would likely reject it), and while every token passes,
+        the drafter extends the block up to `hier_block` tokens. Only draft tokens enter the block,
+        so the sd rule with the draft's distributions keeps the output exactly the target's.
+        """
         limit = min(self.spec.hier_block, budget - 1, self.target.n_ctx - len(ctx) - 1)
         block: list[int] = []
-        origins: list[str] = []
         qs: list[np.ndarray] | None = None if sp.greedy else []
         while len(block) < limit:
             base = ctx + block
-            draft = self._draft(base, limit - len(block) + 1, sp, rng, stats,
-                                k=min(self.spec.n_draft, limit - len(block)))
-            srows = self.slim.eval(base + draft.tokens, len(draft) + 1)
-            n, nxt = self._verify(srows, draft.tokens, draft.q, sp, rng)
-            new = draft.tokens[:n] + [nxt]
-            if qs is not None:
-                qs.extend(probs(srows[j], sp) for j in range(n + 1))
-            block += new
-            origins += [DRAFT] * n + [SLIM]
-            if any(self.target.is_eog(t) for t in new):
-                cut = next(j for j, t in enumerate(block) if self.target.is_eog(t)) + 1
-                block, origins = block[:cut], origins[:cut]
-                qs = qs[:cut] if qs is not None else None
+            draft = self._draft(base, budget, sp, rng, stats, k=min(self.spec.n_draft, limit - len(block)))
+            if not draft.tokens:
                 break
-        block, origins = block[:limit], origins[:limit]
-        if qs is not None:
-            qs = qs[:limit]
+            srows = self.slim.eval(base + draft.tokens[:-1], len(draft))
+            keep = 0
+            while keep < len(draft) and ratio_to_top(srows[keep], draft.tokens[keep]) >= self.spec.tau_full:
+                keep += 1
+            block += draft.tokens[:keep]
+            if qs is not None:
+                qs += draft.q[:keep]
+            if keep < len(draft) or any(self.target.is_eog(t) for t in draft.tokens):
+                break
         if not block:
             return self._ar_round(ctx, sp, rng, stats, budget)
-        return self._target_verifies(ctx, block, qs, sp, rng, origins)
+        return self._target_verifies(ctx, block, qs, sp, rng)

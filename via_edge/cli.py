@@ -1,0 +1,195 @@
+"""The `via-edge` command line. User errors print one line and exit 2, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from . import models as catalog
+from .decoding import SpecParams
+from .engine import ENGINE_MODES, Engine
+from .errors import ViaEdgeError
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
+                  help="Speculative decoding with intra-model routing (VIA-SD) on llama.cpp.")
+models_app = typer.Typer(no_args_is_help=True, help="Known models: list, fetch, locate, verify.")
+slim_app = typer.Typer(no_args_is_help=True, help="Slim verifiers: derived GGUFs of a target's blocks.")
+app.add_typer(models_app, name="models")
+app.add_typer(slim_app, name="slim")
+
+
+def _err(msg: str) -> None:
+    typer.echo(msg, err=True)
+
+
+class ModelOptions:
+    """The options every command that loads models shares, turned into an Engine."""
+
+    def __init__(self, pair, target, draft, slim, draft_layers, slim_layers, ctx, threads, gpu_layers,
+                 flash_attn, exact, spec, p_min, n_min, mode):
+        self.__dict__.update(locals())
+        del self.__dict__["self"]
+
+    def engine(self) -> Engine:
+        kw = dict(mode=self.mode, n_ctx=self.ctx, n_threads=self.threads, n_gpu_layers=self.gpu_layers,
+                  flash_attn=self.flash_attn, spec=self.spec, p_min=self.p_min, n_min=self.n_min,
+                  pull_missing=True)
+        if self.exact:
+            kw.update(use_extra_bufts=False)
+        if self.draft_layers:
+            kw["draft_layers"] = self.draft_layers
+        if self.slim_layers:
+            kw["slim_layers"] = self.slim_layers
+        if self.target:
+            return Engine(self.target, self.draft, self.slim, **kw)
+        if self.draft or self.slim:
+            raise ViaEdgeError("--draft and --slim need --target (or use --pair)")
+        return Engine.from_pair(self.pair, **kw)
+
+
+def _spec(n_draft, tau_accept, tau_full, route, max_lag, hier_block) -> SpecParams:
+    return SpecParams(n_draft=n_draft, tau_accept=tau_accept, tau_full=tau_full, route=route,
+                      max_lag=max_lag, hier_block=hier_block)
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt (a user message unless --raw)."),
+    mode: str = typer.Option("ar", help=f"Decoding mode: {', '.join(ENGINE_MODES)}."),
+    pair: Optional[str] = typer.Option(None, help="Catalog pair (default: qwen2.5-coder)."),
+    target: Optional[str] = typer.Option(None, help="Target GGUF path or catalog name (overrides --pair)."),
+    draft: Optional[str] = typer.Option(None, help="Draft GGUF path or catalog name."),
+    slim: Optional[str] = typer.Option(None, help="Slim verifier GGUF (default: built from --slim-layers)."),
+    draft_layers: Optional[str] = typer.Option(None, help="Use a slim of the target as the draft, e.g. 0-11."),
+    slim_layers: Optional[str] = typer.Option(None, help="Target blocks for the slim verifier, e.g. 0-3,14-27."),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Maximum new tokens."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    top_k: int = typer.Option(0, help="0 = off."),
+    top_p: float = typer.Option(1.0),
+    min_p: float = typer.Option(0.0),
+    seed: Optional[int] = typer.Option(None, help="Seed for reproducible sampling."),
+    stop: List[str] = typer.Option([], help="Stop string (repeatable)."),
+    raw: bool = typer.Option(False, help="Do not apply the chat template."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object with text, stats and timings."),
+    n_draft: int = typer.Option(6, help="Draft tokens per round."),
+    p_min: float = typer.Option(0.0, help="Stop drafting when the draft's top probability is below this."),
+    n_min: int = typer.Option(0, help="Draft at least this many tokens before p_min applies."),
+    tau_accept: float = typer.Option(0.9, help="via: keep a draft token at or above this routing score."),
+    tau_full: float = typer.Option(0.3, help="via: send to the target below this score (>1: always)."),
+    route: str = typer.Option("slim", help="via: routing score from slim, draft or both."),
+    max_lag: int = typer.Option(32, help="via: the target verifies at least every this many tokens (0: never forced)."),
+    hier_block: int = typer.Option(12, help="hier: tokens per target verification."),
+    ctx: int = typer.Option(4096, help="Context window (tokens)."),
+    threads: Optional[int] = typer.Option(None, help="CPU threads (default: all cores)."),
+    gpu_layers: int = typer.Option(-1, help="Layers to offload to Metal/GPU (-1: all; CPU builds ignore it)."),
+    flash_attn: Optional[bool] = typer.Option(None, "--flash-attn/--no-flash-attn", help="Default: auto."),
+    exact: bool = typer.Option(False, help="No weight repacking: batched and single decodes agree (slower)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show llama.cpp's log."),
+) -> None:
+    """Generate text for PROMPT with the target alone (ar) or speculatively (sd, via, hier, lookup)."""
+    _logging(verbose)
+    opts = ModelOptions(pair, target, draft, slim, draft_layers, slim_layers, ctx, threads, gpu_layers,
+                        flash_attn, exact, _spec(n_draft, tau_accept, tau_full, route, max_lag, hier_block),
+                        p_min, n_min, mode)
+    with opts.engine() as engine:
+        stream = engine.stream(prompt, max_tokens=max_tokens, stop=stop, mode=mode, temperature=temperature,
+                               top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, chat_template=not raw)
+        for piece in stream:
+            if not as_json:
+                sys.stdout.write(piece.text)
+                sys.stdout.flush()
+        res = engine.last_result
+        s = res.stats
+        if as_json:
+            out = res.to_dict()
+            out["models"] = {role: str(m.path) for role, m in vars(engine.models).items()
+                             if hasattr(m, "path")}
+            out["timings"] = {
+                "prompt_n": s.prompt_tokens, "prompt_ms": round(s.prefill_seconds * 1e3, 2),
+                "prompt_per_second": round(s.prompt_tokens_per_second, 2),
+                "predicted_n": s.generated_tokens, "predicted_ms": round(s.generate_seconds * 1e3, 2),
+                "predicted_per_second": round(s.tokens_per_second, 2),
+                "draft_n": s.draft_n, "draft_n_accepted": s.draft_n_accepted,
+            }
+            typer.echo(json.dumps(out, indent=2))
+        else:
+            sys.stdout.write("\n")
+            _err(f"[{mode}] {s.generated_tokens} tokens, {s.tokens_per_second:.1f} tok/s "
+                 f"(prompt {s.prompt_tokens} tokens, {s.prompt_tokens_per_second:.0f} tok/s)"
+                 + (f", accepted {s.draft_n_accepted}/{s.draft_n} drafted" if s.draft_n else "")
+                 + (f", tiers A/B/C {s.tier_a}/{s.tier_b}/{s.tier_c}" if mode == "via" else ""))
+
+
+# ---- models ----------------------------------------------------------------------------------------
+@models_app.command("list")
+def models_list() -> None:
+    """Known models and pairs, where they are and whether they are present."""
+    typer.echo(f"model dir: {catalog.model_dir()}  (set VIA_EDGE_MODEL_DIR to change)")
+    for e in catalog.entries():
+        path = e.installed_path()
+        state = f"present  {path}" if path else "missing"
+        typer.echo(f"  {e.name:30s} {e.spec['architecture']:8s} {e.size / 1e6:8.1f} MB  {state}")
+    cat = catalog.load_catalog()
+    for name, p in cat["pairs"].items():
+        default = "  (default)" if name == cat["default_pair"] else ""
+        draft = p.get("draft") or f"slim {p.get('draft_layers')} of the target"
+        typer.echo(f"  pair {name}: target {p['target']}, draft {draft}, slim {p.get('slim_layers')}{default}")
+
+
+@models_app.command("pull")
+def models_pull(name: str = typer.Argument(..., help="Model or pair name.")) -> None:
+    """Fetch a model (or both models of a pair), verify its SHA-256 and put it in place."""
+    path = catalog.pull(name)
+    typer.echo(str(path))
+
+
+@models_app.command("path")
+def models_path(name: str) -> None:
+    """Print the file of a present model (exit 2 if it is not downloaded)."""
+    typer.echo(str(catalog.resolve(name)))
+
+
+@models_app.command("verify")
+def models_verify(name: str) -> None:
+    """Recompute a present model's SHA-256 against the catalog."""
+    if not catalog.verify(name):
+        raise ViaEdgeError(f"{name}: SHA-256 does not match the catalog; delete it and pull again")
+    typer.echo(f"{name}: ok")
+
+
+# ---- slim ------------------------------------------------------------------------------------------
+@slim_app.command("build")
+def slim_build(
+    target: str = typer.Argument(..., help="Target GGUF path or catalog name."),
+    layers: str = typer.Option(..., help="Blocks to keep, e.g. 0-20 or 0-3,14-27."),
+    out: Optional[Path] = typer.Option(None, help="Output path (default: next to the target)."),
+) -> None:
+    """Write the derived GGUF of TARGET's chosen blocks (reused when present)."""
+    from .slim import build_slim
+
+    typer.echo(str(build_slim(catalog.resolve(target, pull_missing=True), layers, out)))
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    if verbose:
+        logging.getLogger("via_edge").setLevel(logging.INFO)
+        logging.getLogger("via_edge.llama").setLevel(logging.INFO)
+
+
+def main() -> None:
+    try:
+        app()
+    except ViaEdgeError as exc:
+        _err(f"error: {exc}")
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        _err("interrupted")
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.exit(0)
