@@ -6,7 +6,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import typer
 
@@ -14,6 +14,7 @@ from . import models as catalog
 from .decoding import SpecParams
 from .engine import ENGINE_MODES, Engine
 from .errors import ViaEdgeError
+from .llama import EXACT
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="Speculative decoding with intra-model routing (VIA-SD) on llama.cpp.")
@@ -40,7 +41,7 @@ class ModelOptions:
                   flash_attn=self.flash_attn, spec=self.spec, p_min=self.p_min, n_min=self.n_min,
                   pull_missing=True)
         if self.exact:
-            kw.update(use_extra_bufts=False)
+            kw.update(EXACT)
         if self.draft_layers:
             kw["draft_layers"] = self.draft_layers
         if self.slim_layers:
@@ -88,7 +89,8 @@ def generate(
     threads: Optional[int] = typer.Option(None, help="CPU threads (default: all cores)."),
     gpu_layers: int = typer.Option(-1, help="Layers to offload to Metal/GPU (-1: all; CPU builds ignore it)."),
     flash_attn: Optional[bool] = typer.Option(None, "--flash-attn/--no-flash-attn", help="Default: auto."),
-    exact: bool = typer.Option(False, help="No weight repacking: batched and single decodes agree (slower)."),
+    exact: bool = typer.Option(False, help="No weight repacking, F32 KV, no flash attention: batched and "
+                               "single decodes agree, so greedy sd/hier equal ar token for token (slower)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show llama.cpp's log."),
 ) -> None:
     """Generate text for PROMPT with the target alone (ar) or speculatively (sd, via, hier, lookup)."""
@@ -123,6 +125,56 @@ def generate(
                  f"(prompt {s.prompt_tokens} tokens, {s.prompt_tokens_per_second:.0f} tok/s)"
                  + (f", accepted {s.draft_n_accepted}/{s.draft_n} drafted" if s.draft_n else "")
                  + (f", tiers A/B/C {s.tier_a}/{s.tier_b}/{s.tier_c}" if mode == "via" else ""))
+
+
+@app.command()
+def bench(
+    pair: Optional[str] = typer.Option(None, help="Catalog pair (default: qwen2.5-coder)."),
+    modes: str = typer.Option("ar,sd,via,hier,lookup", help="Comma-separated modes; must include ar."),
+    suite: str = typer.Option("spec-bench", help="spec-bench, or a JSONL file with 'prompt' or 'turns'."),
+    categories: Optional[str] = typer.Option(None, help="Comma-separated categories (default: all)."),
+    per_category: int = typer.Option(1, help="Prompts per category (the first ones, in file order)."),
+    max_tokens: int = typer.Option(128, "--max-tokens", "-n"),
+    out: Path = typer.Option(Path("bench-out"), help="Folder for results.json, report.md, speedup.png."),
+    quick: bool = typer.Option(False, help="SmolLM2-135M (F32 copy, exact kernels) with a slim of itself "
+                               "as draft, 4 prompts: about a minute."),
+    peers: bool = typer.Option(True, "--peers/--no-peers", help="Also measure llama-cpp-python's Llama."),
+    exact: bool = typer.Option(False, help="Exact kernels (see generate --exact): lossless modes match ar."),
+    compare: Optional[Tuple[Path, Path]] = typer.Option(None, help="Diff two results files instead of running."),
+    n_draft: int = typer.Option(6),
+    p_min: float = typer.Option(0.0),
+    tau_accept: float = typer.Option(0.9),
+    tau_full: float = typer.Option(0.3),
+    route: str = typer.Option("slim"),
+    max_lag: int = typer.Option(32),
+    hier_block: int = typer.Option(12),
+    ctx: int = typer.Option(4096),
+    threads: Optional[int] = typer.Option(None),
+) -> None:
+    """Measure speed and fidelity of every mode side by side, interleaved on the same prompts."""
+    from . import bench as B
+
+    _logging(False)
+    if compare:
+        typer.echo(B.compare(B.load_results(compare[0]), B.load_results(compare[1])))
+        return
+    cfg = B.BenchConfig(pair=pair, modes=[m.strip() for m in modes.split(",") if m.strip()], peers=peers,
+                        suite=suite, categories=[c.strip() for c in categories.split(",")] if categories else None,
+                        per_category=per_category, max_tokens=max_tokens, exact=exact, n_ctx=ctx,
+                        threads=threads, spec=_spec(n_draft, tau_accept, tau_full, route, max_lag, hier_block),
+                        p_min=p_min, quick=quick, command="via-edge " + " ".join(sys.argv[1:]))
+    if quick:
+        cfg.pair = pair or B.QUICK["pair"]
+        cfg.categories = cfg.categories or B.QUICK["categories"]
+        cfg.max_tokens = B.QUICK["max_tokens"] if max_tokens == 128 else max_tokens
+        cfg.exact = cfg.f32 = True  # quantized kernels differ between batch and single: see build_f32
+    results = B.run_bench(cfg)
+    for path in B.write_outputs(results, out):
+        typer.echo(str(path))
+    summary = results["summary"]
+    for method, s in summary.items():
+        typer.echo(f"  {method:24s} {s['tok_s']['median']:7.1f} tok/s  speedup {s['speedup']:.2f}x  "
+                   f"agreement {s['fidelity']['agreement_mean']:.2f}")
 
 
 # ---- models ----------------------------------------------------------------------------------------

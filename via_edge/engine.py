@@ -20,7 +20,7 @@ from .errors import ContextOverflowError, InvalidParameterError
 from .llama import LlamaModel, LoadParams
 from .prompts import render_chat
 from .sampling import SamplingParams
-from .slim import build_slim, is_prefix, slice_seq_state, slim_layers
+from .slim import build_f32, build_slim, is_prefix, slice_seq_state, slim_layers
 from .stats import Stats
 from .text import StopMatcher, StreamDecoder
 
@@ -84,6 +84,7 @@ class Engine:
         p_min: float = 0.0,
         lookup_ngram: int = 3,
         slim_kv: str = "import",
+        f32: bool = False,
         pull_missing: bool = False,
         progress: Callable[[str, float], None] | None = None,
     ) -> None:
@@ -97,7 +98,8 @@ class Engine:
                                flash_attn=flash_attn, use_extra_bufts=use_extra_bufts, kv_type=kv_type)
         self._progress = progress
         self._pull = pull_missing
-        self.target_path = catalog.resolve(target, pull_missing=pull_missing)
+        self._f32 = f32  # run F32 copies of quantized models: see slim.build_f32
+        self.target_path = self._model_path(target)
         self._draft_spec, self._draft_layers = draft, draft_layers
         self._slim_spec, self._slim_layers = slim, slim_layers
         self._n_min, self._p_min, self._lookup_ngram = n_min, p_min, lookup_ngram
@@ -117,6 +119,10 @@ class Engine:
         kwargs.setdefault("slim_layers", pair.get("slim_layers"))
         return cls(pair["target"], pair.get("draft"), **kwargs)
 
+    def _model_path(self, spec: str | Path) -> Path:
+        path = catalog.resolve(spec, pull_missing=self._pull)
+        return build_f32(path) if self._f32 else path
+
     def _load(self, role: str, path: Path) -> LlamaModel:
         cb = None
         if self._progress is not None:
@@ -128,7 +134,7 @@ class Engine:
         m = self.models
         if mode in ("sd", "via", "hier") and m.draft is None:
             if self._draft_spec is not None:
-                path = catalog.resolve(self._draft_spec, pull_missing=self._pull)
+                path = self._model_path(self._draft_spec)
             elif self._draft_layers:
                 path = build_slim(self.target_path, self._draft_layers)
             else:
@@ -137,7 +143,7 @@ class Engine:
             check_compatible(m.target, m.draft, "draft")
         if mode in ("via", "hier") and m.slim is None:
             if self._slim_spec is not None:
-                path = Path(catalog.resolve(self._slim_spec))
+                path = self._model_path(self._slim_spec)
             elif self._slim_layers:
                 path = build_slim(self.target_path, self._slim_layers)
             else:
@@ -164,6 +170,12 @@ class Engine:
         for m in (self.models.slim, self.models.draft, self.models.target):
             if m is not None:
                 m.close()
+
+    def reset(self) -> None:
+        """Forget every cached prompt (KV caches), so the next call pays its full prefill."""
+        for m in (self.models.slim, self.models.draft, self.models.target):
+            if m is not None:
+                m.reset()
 
     def __enter__(self) -> "Engine":
         return self

@@ -71,6 +71,10 @@ def extra_bufts_default() -> bool:
     return os.environ.get("VIA_EDGE_EXTRA_BUFTS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+# what makes a multi-token batch compute exactly what single-token decodes compute (see LoadParams)
+EXACT = {"use_extra_bufts": False, "kv_type": "f32", "flash_attn": False}
+
+
 @dataclass(frozen=True)
 class LoadParams:
     """How to load a GGUF.

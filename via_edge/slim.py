@@ -1,4 +1,4 @@
-"""The slim verifier's model: a derived GGUF holding a chosen subset of the target's blocks.
+"""Derived GGUFs. Mainly the slim verifier's model: a chosen subset of the target's blocks.
 
 llama.cpp cannot skip layers at run time, so intra-model routing is a second, smaller file:
 the kept blocks renumbered, plus `token_embd`, `output_norm` and `output` (absent when tied),
@@ -17,6 +17,8 @@ import os
 import re
 import struct
 from pathlib import Path
+
+import numpy as np
 
 from .errors import LayerSpecError, ModelFileError
 from .gguf_info import field_value, open_reader
@@ -171,6 +173,54 @@ def build_slim(target: str | os.PathLike, spec: str, out: str | os.PathLike | No
         writer.write_ti_data_to_file()
         for _, t in kept:
             writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+        writer.close()
+        tmp.replace(dest)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return dest
+
+
+def build_f32(source: str | os.PathLike) -> Path:
+    """An F32 copy of a quantized GGUF (reused when present), for exact tests and the quick bench.
+
+    Quantized matmuls take different kernels for one token and for a batch, so a batched
+    verification can differ from single-token decoding by far more than rounding (SmolLM2 Q4_1:
+    up to 0.6 in a logit). With F32 weights (and an F32 KV cache) they agree to ~1e-5, which is
+    what makes greedy `sd` reproduce `ar` token for token on a real model.
+    """
+    import gguf
+
+    source = Path(source)
+    reader = open_reader(source)
+    arch = field_value(reader, "general.architecture")
+    parent = source.parent if os.access(source.parent, os.W_OK) and "site-packages" not in source.parts \
+        else model_dir()
+    dest = parent / f"{source.stem}.f32-{target_sha256(source)[:12]}.gguf"
+    if dest.exists():
+        return dest
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + ".partial")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    for fld in reader.fields.values():
+        if fld.name.startswith("GGUF.") or fld.name == "general.architecture":
+            continue
+        vtype = fld.types[0]
+        value = fld.contents()
+        if fld.name == "general.file_type":
+            value = int(gguf.LlamaFileType.ALL_F32)
+        writer.add_key_value(fld.name, value, vtype,
+                             sub_type=fld.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    shapes = [tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors]
+    for t, shape in zip(reader.tensors, shapes):
+        writer.add_tensor_info(t.name, shape, np.float32, int(np.prod(shape)) * 4, gguf.GGMLQuantizationType.F32)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for t, shape in zip(reader.tensors, shapes):
+            writer.write_tensor_data(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape))
         writer.close()
         tmp.replace(dest)
     except BaseException:

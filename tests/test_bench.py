@@ -1,0 +1,110 @@
+"""The benchmark: statistics on hand-made inputs, prompt selection, and `bench --quick` end to end."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from via_edge.bench.metrics import fidelity, geomean, prefix_length, spread
+from via_edge.bench.suite import load_prompts, spec_bench_categories
+from via_edge.errors import InvalidParameterError
+
+
+def test_geomean_and_spread():
+    assert geomean([1.0, 4.0]) == pytest.approx(2.0)
+    assert geomean([0.5, 2.0, 1.0]) == pytest.approx(1.0)
+    assert math.isnan(geomean([1.0, 0.0])) and math.isnan(geomean([]))
+    assert spread([3.0, 1.0, 2.0]) == {"min": 1.0, "median": 2.0, "max": 3.0}
+    assert spread([4.0, 1.0, 2.0, 3.0])["median"] == 2.5
+
+
+def test_prefix_and_fidelity():
+    assert prefix_length([1, 2, 3], [1, 2, 4, 5]) == 2
+    f = fidelity([1, 2, 3, 4], [1, 2, 9, 4, 7])
+    assert f == {"exact": False, "prefix": 2, "prefix_share": 0.5, "agreement": 3 / 5}
+    assert fidelity([5, 6], [5, 6]) == {"exact": True, "prefix": 2, "prefix_share": 1.0, "agreement": 1.0}
+
+
+def test_spec_bench_selection_is_fixed():
+    cats = spec_bench_categories()
+    assert len(cats) == 13 and "coding" in cats
+    a = load_prompts("spec-bench", ["coding", "qa"], 2)
+    assert [p.category for p in a] == ["coding", "coding", "qa", "qa"]
+    assert a == load_prompts("spec-bench", ["coding", "qa"], 2)
+    assert len(load_prompts("spec-bench", None, 1)) == 13
+
+
+def test_user_prompt_files(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "one"}\n{"turns": ["two", "ignored"], "category": "c"}\n')
+    got = load_prompts(str(f), None, 5)
+    assert [(p.category, p.text) for p in got] == [("default", "one"), ("c", "two")]
+    with pytest.raises(InvalidParameterError, match="unknown or empty categories: nope"):
+        load_prompts(str(f), ["nope"], 1)
+    with pytest.raises(InvalidParameterError, match="cannot read"):
+        load_prompts(str(tmp_path / "missing.jsonl"), None, 1)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    with pytest.raises(InvalidParameterError, match="not JSONL"):
+        load_prompts(str(bad), None, 1)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"x": 1}\n')
+    with pytest.raises(InvalidParameterError, match="no 'prompt' or 'turns'"):
+        load_prompts(str(empty), None, 1)
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "via_edge", *map(str, args)], capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--modes", "ar,warp"], "unknown mode(s) warp"),
+    (["--modes", "sd"], "must include ar"),
+    (["--categories", "nope"], "unknown or empty categories"),
+    (["--suite", "/no/such.jsonl"], "cannot read prompt file"),
+    (["--pair", "nope"], "unknown pair"),
+])
+def test_bench_bad_input(tmp_path, args, match):
+    proc = cli("bench", "--quick", "--out", tmp_path, *args)
+    assert proc.returncode == 2 and match in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_bench_missing_model(tmp_path, monkeypatch):
+    cat = json.loads((__import__("via_edge.models", fromlist=["x"])._catalog_path()).read_text())
+    cat["pairs"]["ghost"] = {"target": "qwen2.5-coder-1.5b-instruct", "draft": "qwen2.5-coder-0.5b-instruct"}
+    f = tmp_path / "catalog.json"
+    f.write_text(json.dumps(cat))
+    monkeypatch.setenv("VIA_EDGE_CATALOG", str(f))
+    monkeypatch.setenv("VIA_EDGE_MODEL_DIR", str(tmp_path / "empty"))
+    monkeypatch.setenv("VIA_EDGE_SOURCES", "nowhere")
+    proc = cli("bench", "--pair", "ghost", "--out", tmp_path / "o")
+    assert proc.returncode == 2 and "could not fetch qwen2.5-coder-1.5b-instruct" in proc.stderr, proc.stderr
+
+
+def test_bench_quick_end_to_end(tmp_path):
+    out = tmp_path / "run"
+    proc = cli("bench", "--quick", "-n", 20, "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("results.json", "report.md", "speedup.png"):
+        assert (out / name).stat().st_size > 0
+    res = json.loads((out / "results.json").read_text())
+    meta, summary, runs = res["meta"], res["summary"], res["runs"]
+    methods = ["ar", "sd", "via", "hier", "lookup", "llama-cpp-python", "llama-cpp-python-lookup"]
+    assert meta["methods"] == methods and set(summary) == set(methods)
+    assert {"cpu", "cores"} <= set(meta["machine"]) and meta["versions"]["llama-cpp-python"] == "0.3.36"
+    assert len(meta["models"]["target"]["sha256"]) == 64 and meta["params"]["exact_kernels"]
+    assert len(runs) == len(methods) * len(meta["prompts"]) == len(methods) * 4
+    for method in ("sd", "hier", "lookup"):  # lossless on exact kernels
+        assert summary[method]["fidelity"]["exact_rate"] == 1.0, method
+    # ratios come from this run's own numbers
+    ar = {r["prompt_id"]: r["tok_s"] for r in runs if r["method"] == "ar"}
+    sd = [r["tok_s"] / ar[r["prompt_id"]] for r in runs if r["method"] == "sd"]
+    assert summary["sd"]["speedup"] == pytest.approx(math.exp(sum(map(math.log, sd)) / len(sd)))
+    assert summary["ar"]["speedup"] == pytest.approx(1.0)
+    assert sum(summary["via"]["tier_shares"].values()) == pytest.approx(1.0)
+    assert "| via (lossy) |" in (out / "report.md").read_text()
+    diff = cli("bench", "--compare", out, out / "results.json")
+    assert diff.returncode == 0 and "| sd |" in diff.stdout and "+0.0%" in diff.stdout

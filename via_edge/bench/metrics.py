@@ -1,0 +1,49 @@
+"""Small, exact statistics for the benchmark report (tested on hand-made inputs)."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+
+def geomean(values: Sequence[float]) -> float:
+    vals = [v for v in values if v > 0]
+    if not vals or len(vals) != len(values):
+        return float("nan")
+    return math.exp(sum(math.log(v) for v in vals) / len(vals))
+
+
+def spread(values: Sequence[float]) -> dict:
+    """Per-prompt min / median / max."""
+    if not values:
+        return {"min": float("nan"), "median": float("nan"), "max": float("nan")}
+    s = sorted(values)
+    n = len(s)
+    median = s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+    return {"min": s[0], "median": median, "max": s[-1]}
+
+
+def prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def fidelity(reference: Sequence[int], output: Sequence[int]) -> dict:
+    """How far `output` stays with the reference (the target's own greedy tokens).
+
+    exact: identical sequences. prefix: length of the identical prefix, and its share of the
+    reference. agreement: position-wise equal tokens over the longer length (0..1).
+    """
+    p = prefix_length(reference, output)
+    longer = max(len(reference), len(output))
+    same = sum(1 for x, y in zip(reference, output) if x == y)
+    return {
+        "exact": list(reference) == list(output),
+        "prefix": p,
+        "prefix_share": p / len(reference) if reference else 1.0,
+        "agreement": same / longer if longer else 1.0,
+    }

@@ -1,0 +1,194 @@
+"""Turn raw benchmark runs into a summary, `results.json`, `report.md` and `speedup.png`."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+
+from ..errors import InvalidParameterError
+from .metrics import fidelity, geomean, spread
+
+LOSSLESS = {"ar", "sd", "hier", "lookup", "llama-cpp-python", "llama-cpp-python-lookup"}
+
+
+def summarize(results: dict) -> dict:
+    runs = results["runs"]
+    methods = results["meta"]["methods"]
+    ar = {r["prompt_id"]: r for r in runs if r["method"] == "ar"}
+    summary = {}
+    for method in methods:
+        mine = [r for r in runs if r["method"] == method]
+        ratios = [r["tok_s"] / ar[r["prompt_id"]]["tok_s"] for r in mine if ar[r["prompt_id"]]["tok_s"] > 0]
+        fid = [fidelity(ar[r["prompt_id"]]["tokens"], r["tokens"]) for r in mine]
+        cats = defaultdict(list)
+        for r in mine:
+            if ar[r["prompt_id"]]["tok_s"] > 0:
+                cats[r["category"]].append(r["tok_s"] / ar[r["prompt_id"]]["tok_s"])
+        entry = {
+            "prompts": len(mine),
+            "tok_s": spread([r["tok_s"] for r in mine]),
+            "prefill_s": spread([r["prefill_s"] for r in mine]),
+            "speedup": geomean(ratios), "speedup_spread": spread(ratios),
+            "per_category": {c: geomean(v) for c, v in cats.items()},
+            "fidelity": {
+                "exact_rate": sum(f["exact"] for f in fid) / len(fid) if fid else float("nan"),
+                "prefix_mean": sum(f["prefix"] for f in fid) / len(fid) if fid else float("nan"),
+                "prefix_share_mean": sum(f["prefix_share"] for f in fid) / len(fid) if fid else float("nan"),
+                "agreement_mean": sum(f["agreement"] for f in fid) / len(fid) if fid else float("nan"),
+            },
+            "lossless": method in LOSSLESS,
+        }
+        stats = [r["stats"] for r in mine if "stats" in r]
+        if stats:
+            tot = lambda k: sum(s[k] for s in stats)  # noqa: E731
+            gen = tot("generated_tokens")
+            entry.update({
+                "draft_n": tot("draft_n"), "draft_n_accepted": tot("draft_n_accepted"),
+                "rejection_rate": 1 - tot("draft_n_accepted") / tot("draft_n") if tot("draft_n") else 0.0,
+                "mean_accepted_per_round": tot("draft_n_accepted") / tot("rounds") if tot("rounds") else 0.0,
+                "tiers": {"A": tot("tier_a"), "B": tot("tier_b"), "C": tot("tier_c"),
+                          "B_replaced": tot("tier_b_replaced")},
+                "tier_shares": {t: (tot(k) / gen if gen else 0.0)
+                                for t, k in (("A", "tier_a"), ("B", "tier_b"), ("C", "tier_c"))},
+                "models": {role: {"calls": sum(s[role]["calls"] for s in stats),
+                                  "tokens": sum(s[role]["tokens"] for s in stats),
+                                  "seconds": round(sum(s[role]["seconds"] for s in stats), 3)}
+                           for role in ("draft", "slim", "target")},
+            })
+        summary[method] = entry
+    return summary
+
+
+def _f(x: float, nd: int = 2) -> str:
+    return "n/a" if x != x else f"{x:.{nd}f}"
+
+
+def render_markdown(results: dict) -> str:
+    meta, summary = results["meta"], results["summary"]
+    m = meta["machine"]
+    lines = [
+        "# via-edge benchmark",
+        "",
+        f"- date: {meta['date']}; command: `{meta['command']}`",
+        f"- machine: {m['cpu']}, {m['cores']} cores ({m['threads_used']} threads used), {m['os']}",
+        f"- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
+        f"- models: " + "; ".join(f"{role} {v['name']} ({v['blocks']} blocks, sha256 {v['sha256'][:12]})"
+                                  for role, v in meta["models"].items()),
+        f"- prompts: {len(meta['prompts'])} ({', '.join(sorted({p['category'] for p in meta['prompts']}))}), "
+        f"max {meta['params']['max_tokens']} new tokens, greedy, chat template; kernels: "
+        f"{'exact (no repacking, F32 KV, no flash attention)' if meta['params']['exact_kernels'] else 'fast (llama.cpp defaults)'}"
+        f"{', F32 copies of the weights' if meta['params'].get('f32_weights') else ''}",
+        f"- speculation: {meta['params']['spec']}, p_min {meta['params']['p_min']}",
+        "",
+        "## Summary (speedup = geometric mean over prompts of tok/s ÷ `ar` tok/s on the same prompt)",
+        "",
+        "| method | tok/s median (min–max) | speedup | speedup min–max | exact match | identical prefix | token agreement | rejection rate | accepted/round |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for method, s in summary.items():
+        t, sp = s["tok_s"], s["speedup_spread"]
+        lines.append(
+            f"| {method}{'' if s['lossless'] else ' (lossy)'} | {_f(t['median'], 1)} ({_f(t['min'], 1)}–{_f(t['max'], 1)}) "
+            f"| {_f(s['speedup'])}x | {_f(sp['min'])}–{_f(sp['max'])} | {_f(s['fidelity']['exact_rate'])} "
+            f"| {_f(s['fidelity']['prefix_share_mean'])} | {_f(s['fidelity']['agreement_mean'])} "
+            f"| {_f(s.get('rejection_rate', float('nan')))} | {_f(s.get('mean_accepted_per_round', float('nan')))} |")
+    cats = sorted({p["category"] for p in meta["prompts"]})
+    lines += ["", "## Speedup per category (geometric mean)", "",
+              "| method | " + " | ".join(cats) + " |", "| --- |" + " --- |" * len(cats)]
+    for method, s in summary.items():
+        lines.append(f"| {method} | " + " | ".join(_f(s["per_category"].get(c, float("nan"))) for c in cats) + " |")
+    lines += ["", "## Where the time goes (all prompts)", "",
+              "| method | prefill median s | draft calls / s | slim calls / s | target calls / s | tiers A / B (replaced) / C |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for method, s in summary.items():
+        if "models" not in s:
+            lines.append(f"| {method} | {_f(s['prefill_s']['median'], 3)} | | | | |")
+            continue
+        mm = s["models"]
+        tiers = s["tiers"]
+        lines.append(f"| {method} | {_f(s['prefill_s']['median'], 3)} | {mm['draft']['calls']} / {mm['draft']['seconds']} "
+                     f"| {mm['slim']['calls']} / {mm['slim']['seconds']} | {mm['target']['calls']} / {mm['target']['seconds']} "
+                     f"| {tiers['A']} / {tiers['B']} ({tiers['B_replaced']}) / {tiers['C']} |")
+    lines += ["", "Fidelity is measured against `ar`'s greedy output on the same prompt: exact match rate, mean share "
+              "of `ar`'s tokens before the first difference, and position-wise token agreement. Lossless methods "
+              "differ from `ar` only where batched and single-token kernels round differently (weight repacking); "
+              "`via` trades fidelity for skipped target calls.", ""]
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> bool:
+    """speedup.png: speedup per category and method, and `via`'s tier shares. False without matplotlib."""
+    try:
+        os.environ.setdefault("MPLBACKEND", "Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    summary = results["summary"]
+    cats = sorted({p["category"] for p in results["meta"]["prompts"]})
+    methods = [m for m in summary if m != "ar"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [3, 1.2]})
+    width = 0.8 / max(1, len(methods))
+    for i, method in enumerate(methods):
+        vals = [summary[method]["per_category"].get(c, 0) for c in cats] + [summary[method]["speedup"]]
+        ax1.bar([x + i * width for x in range(len(cats) + 1)], vals, width, label=method)
+    ax1.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax1.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(cats) + 1)])
+    ax1.set_xticklabels(cats + ["overall"], rotation=30, ha="right")
+    ax1.set_ylabel("speedup vs ar (tok/s ratio, geometric mean)")
+    ax1.set_title("Speedup per category")
+    ax1.legend(fontsize=8)
+    tiered = [m for m in summary if "tier_shares" in summary[m] and m != "ar"]
+    bottom = [0.0] * len(tiered)
+    for tier, color in (("A", "#4caf50"), ("B", "#ff9800"), ("C", "#2196f3")):
+        vals = [summary[m]["tier_shares"][tier] for m in tiered]
+        ax2.bar(tiered, vals, bottom=bottom, color=color, label=f"tier {tier}")
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax2.set_ylabel("share of committed tokens")
+    ax2.set_title("Who decided each token")
+    ax2.legend(fontsize=8)
+    ax2.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_outputs(results: dict, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    results["summary"] = summarize(results)
+    files = []
+    for name, text in (("results.json", json.dumps(results, indent=1)), ("report.md", render_markdown(results))):
+        tmp = out / (name + ".partial")
+        tmp.write_text(text)
+        tmp.replace(out / name)
+        files.append(out / name)
+    if plot(results, out / "speedup.png"):
+        files.append(out / "speedup.png")
+    return files
+
+
+def load_results(path: Path) -> dict:
+    path = path / "results.json" if path.is_dir() else path
+    try:
+        data = json.loads(path.read_text())
+        data["summary"]
+        return data
+    except (OSError, ValueError, KeyError) as exc:
+        raise InvalidParameterError(f"{path} is not a via-edge results file: {exc}") from exc
+
+
+def compare(a: dict, b: dict) -> str:
+    """A table of each method's speedup and fidelity in two result files, with the change."""
+    lines = [f"A: {a['meta']['date']} {a['meta']['machine']['cpu']}", f"B: {b['meta']['date']} {b['meta']['machine']['cpu']}",
+             "", "| method | speedup A | speedup B | change | agreement A | agreement B |", "| --- | --- | --- | --- | --- | --- |"]
+    for method in list(dict.fromkeys(list(a["summary"]) + list(b["summary"]))):
+        sa, sb = a["summary"].get(method), b["summary"].get(method)
+        ga = sa["speedup"] if sa else float("nan")
+        gb = sb["speedup"] if sb else float("nan")
+        fa = sa["fidelity"]["agreement_mean"] if sa else float("nan")
+        fb = sb["fidelity"]["agreement_mean"] if sb else float("nan")
+        change = f"{(gb / ga - 1) * 100:+.1f}%" if sa and sb and ga > 0 else "n/a"
+        lines.append(f"| {method} | {_f(ga)}x | {_f(gb)}x | {change} | {_f(fa)} | {_f(fb)} |")
+    return "\n".join(lines)

@@ -1,0 +1,177 @@
+"""`via-edge bench`: every method on every prompt, interleaved, models loaded once.
+
+Each prompt runs all methods back to back in an order rotated per prompt, so machine noise hits
+them alike; every model's KV cache is cleared before each run, so each run pays its own prefill;
+a warm-up prompt runs every method first and is not counted. Speedups are ratios to `ar` on the
+same prompt in the same run.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .. import __version__
+from .. import models as catalog
+from ..decoding import SpecParams
+from ..engine import ENGINE_MODES, Engine
+from ..errors import InvalidParameterError
+from ..llama import EXACT, default_threads
+from ..slim import target_sha256
+from .peers import PEERS, Peer
+from .suite import Prompt, load_prompts
+
+WARMUP = "Say hello in one short sentence."
+QUICK = dict(pair="smollm2", per_category=1, max_tokens=32,
+             categories=["coding", "summarization", "translation", "math_reasoning"])
+
+
+@dataclass
+class BenchConfig:
+    pair: str | None = None
+    modes: list[str] = field(default_factory=lambda: ["ar", "sd", "via", "hier", "lookup"])
+    peers: bool = True
+    suite: str = "spec-bench"
+    categories: list[str] | None = None
+    per_category: int = 1
+    max_tokens: int = 128
+    exact: bool = False
+    n_ctx: int = 4096
+    threads: int | None = None
+    spec: SpecParams = field(default_factory=SpecParams)
+    p_min: float = 0.0
+    f32: bool = False
+    quick: bool = False
+    command: str = ""
+
+    def validate(self) -> None:
+        bad = [m for m in self.modes if m not in ENGINE_MODES]
+        if bad:
+            raise InvalidParameterError(f"unknown mode(s) {', '.join(bad)}; choose from {', '.join(ENGINE_MODES)}")
+        if "ar" not in self.modes:
+            raise InvalidParameterError("--modes must include ar: every speed is a ratio to it")
+        if len(set(self.modes)) != len(self.modes):
+            raise InvalidParameterError("--modes lists a mode twice")
+        if self.max_tokens < 1:
+            raise InvalidParameterError("--max-tokens must be at least 1")
+
+
+class Progress:
+    def __init__(self, total: int, quiet: bool) -> None:
+        self.total, self.quiet, self.done, self.t0 = total, quiet, 0, time.monotonic()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self.quiet:
+            return
+        frac = self.done / self.total
+        elapsed = time.monotonic() - self.t0
+        eta = elapsed / frac - elapsed if frac else 0
+        sys.stderr.write(f"\r[{'#' * int(frac * 30):<30}] {self.done}/{self.total} {label:<40.40} "
+                         f"{elapsed:5.0f}s, ~{eta:4.0f}s left")
+        sys.stderr.flush()
+        if self.done == self.total:
+            sys.stderr.write("\n")
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads_used": None, "os": platform.platform(),
+            "python": platform.python_version()}
+
+
+def versions() -> dict:
+    from importlib.metadata import version
+
+    out = {"via_edge": __version__}
+    for pkg in ("llama-cpp-python", "gguf", "numpy"):
+        try:
+            out[pkg] = version(pkg)
+        except Exception:
+            out[pkg] = None
+    return out
+
+
+def model_facts(engine: Engine) -> dict:
+    known = {e.installed_path(): e for e in catalog.entries()}
+    out = {}
+    for role in ("target", "draft", "slim"):
+        m = getattr(engine.models, role)
+        if m is None:
+            continue
+        entry = known.get(m.path)
+        out[role] = {"path": str(m.path), "name": entry.name if entry else m.path.name,
+                     "sha256": entry.sha256 if entry else target_sha256(m.path), "blocks": m.n_layer}
+    return out
+
+
+def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
+    cfg.validate()
+    prompts = load_prompts(cfg.suite, cfg.categories, cfg.per_category)
+    threads = cfg.threads or default_threads()
+    engine = Engine.from_pair(cfg.pair, mode="ar", n_ctx=cfg.n_ctx, n_threads=threads, spec=cfg.spec,
+                              p_min=cfg.p_min, pull_missing=True, f32=cfg.f32, **(EXACT if cfg.exact else {}))
+    peers: list[Peer] = []
+    try:
+        for mode in cfg.modes:
+            engine.prepare(mode)
+        if cfg.peers:
+            peers = [Peer(name, engine.target_path, cfg.n_ctx, threads) for name in PEERS]
+        methods = list(cfg.modes) + [p.name for p in peers]
+        by_name = {p.name: p for p in peers}
+
+        def run_one(method: str, tokens: list[int]) -> dict:
+            if method in by_name:
+                return by_name[method].run(tokens, cfg.max_tokens, engine.target.is_eog)
+            engine.reset()
+            res = engine.generate(tokens, mode=method, max_tokens=cfg.max_tokens)
+            s = res.stats
+            return {"tokens": res.tokens, "prefill_s": s.prefill_seconds, "gen_s": s.generate_seconds,
+                    "tok_s": s.tokens_per_second, "stats": s.to_dict(), "tiers": res.tiers,
+                    "origins": res.origins}
+
+        warm = engine.tokens_for(WARMUP, True)
+        for method in methods:
+            run_one(method, warm)
+        bar = Progress(len(prompts) * len(methods), quiet)
+        runs = []
+        for i, prompt in enumerate(prompts):
+            tokens = engine.tokens_for(prompt.text, True)
+            order = methods[i % len(methods):] + methods[: i % len(methods)]
+            for position, method in enumerate(order):
+                r = run_one(method, tokens)
+                r.update(prompt_id=prompt.id, category=prompt.category, method=method, order=position,
+                         prompt_tokens=len(tokens), generated_tokens=len(r["tokens"]))
+                runs.append(r)
+                bar.step(f"{prompt.category}/{prompt.id} {method}")
+        meta = {
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": cfg.command, "machine": {**machine(), "threads_used": threads},
+            "versions": versions(), "models": model_facts(engine),
+            "params": {**{k: v for k, v in asdict(cfg).items() if k not in ("spec", "command")},
+                       "spec": asdict(cfg.spec), "exact_kernels": cfg.exact, "f32_weights": cfg.f32,
+                       "pair": engine_pair_name(cfg.pair)},
+            "methods": methods,
+            "prompts": [{"id": p.id, "category": p.category, "text": p.text[:200]} for p in prompts],
+        }
+        return {"meta": meta, "runs": runs}
+    finally:
+        for p in peers:
+            p.close()
+        engine.close()
+
+
+def engine_pair_name(pair: str | None) -> str:
+    return catalog.pair(pair)["name"]
