@@ -357,7 +357,7 @@ class LlamaModel:
         size = lc.llama_state_seq_get_size(self._ctx, 0)
         buf = (ctypes.c_uint8 * size)()
         n = lc.llama_state_seq_get_data(self._ctx, buf, size, 0)
-        return bytes(buf[:n])
+        return ctypes.string_at(buf, n)
 
     def set_seq_state(self, data: bytes, tokens: Sequence[int]) -> None:
         lc = _llama_cpp()
