@@ -108,7 +108,7 @@ def test_per_layer_metadata_arrays_are_sliced(tiny_target, tmp_path):
 def test_default_slim_name_derives_from_hash_and_layers(tiny_target):
     path = build_slim(tiny_target, "0-2")
     assert path.parent == tiny_target.parent
-    assert "-L0-2.gguf" in path.name and ".slim-" in path.name
+    assert "-L0-2.gguf" in path.name and ".slim2-" in path.name
 
 
 @pytest.mark.parametrize("flash", [False, True])
@@ -129,3 +129,26 @@ def test_incompatible_vocabularies_are_named(tiny_target, tiny_dir):
     with LlamaModel(tiny_target, PARAMS) as t, LlamaModel(other, PARAMS) as d:
         with pytest.raises(IncompatibleModelsError, match="EOS token differs"):
             check_compatible(t, d, "draft")
+
+
+class FakeVocab:
+    """Only for the pure compatibility rule; loading real models is covered above."""
+
+    def __init__(self, n_vocab=300, texts=None, eos=2, path="x.gguf"):
+        from pathlib import Path
+
+        self.vocab_type, self.add_bos, self.bos, self.eos, self.n_vocab = 2, False, 1, eos, n_vocab
+        self.path = Path(path)
+        self._texts = texts or {}
+
+    def token_text(self, t):
+        return self._texts.get(t, f"tok{t}".encode())
+
+
+def test_compatibility_rule_names_each_difference():
+    check_compatible(FakeVocab(), FakeVocab(n_vocab=400), "draft")  # within 128: fine
+    with pytest.raises(IncompatibleModelsError, match="sizes differ by more than 128"):
+        check_compatible(FakeVocab(), FakeVocab(n_vocab=429), "draft")
+    with pytest.raises(IncompatibleModelsError, match="token 77 differs"):
+        check_compatible(FakeVocab(), FakeVocab(texts={77: b"other"}), "draft")
+    check_compatible(FakeVocab(), FakeVocab(texts={3: b"other"}), "draft")  # ids below 5 are not compared

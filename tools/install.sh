@@ -53,5 +53,5 @@ fi
 echo "install.sh: installing via-edge (llama.cpp $flavor build from $wheels)"
 "$venv/bin/python" -m pip install -q --find-links "$wheels" --only-binary llama-cpp-python \
   "llama-cpp-python==$llama_version"
-"$venv/bin/python" -m pip install -q --find-links "$wheels" -e "$here[test,bench]"
+"$venv/bin/python" -m pip install -q --find-links "$wheels" -e "$here[test,bench,serve]"
 echo "install.sh: done. Try: $venv/bin/via-edge --help"

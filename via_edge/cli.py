@@ -36,10 +36,10 @@ class ModelOptions:
         self.__dict__.update(locals())
         del self.__dict__["self"]
 
-    def engine(self) -> Engine:
+    def engine(self, progress: bool = False) -> Engine:
         kw = dict(mode=self.mode, n_ctx=self.ctx, n_threads=self.threads, n_gpu_layers=self.gpu_layers,
                   flash_attn=self.flash_attn, spec=self.spec, p_min=self.p_min, n_min=self.n_min,
-                  pull_missing=True)
+                  pull_missing=True, progress=_load_progress if progress else None)
         if self.exact:
             kw.update(EXACT)
         if self.draft_layers:
@@ -53,6 +53,30 @@ class ModelOptions:
         return Engine.from_pair(self.pair, **kw)
 
 
+# options shared by generate, chat and serve (typer lets one Option object serve several commands)
+PAIR = typer.Option(None, help="Catalog pair (default: qwen2.5-coder).")
+TARGET = typer.Option(None, help="Target GGUF path or catalog name (overrides --pair).")
+DRAFT = typer.Option(None, help="Draft GGUF path or catalog name.")
+SLIM = typer.Option(None, help="Slim verifier GGUF (default: built from --slim-layers).")
+DRAFT_LAYERS = typer.Option(None, help="Use a slim of the target as the draft, e.g. 0-11.")
+SLIM_LAYERS = typer.Option(None, help="Target blocks for the slim verifier, e.g. 0-3,14-27.")
+N_DRAFT = typer.Option(6, help="Draft tokens per round.")
+P_MIN = typer.Option(0.0, help="Stop drafting when the draft's top probability is below this.")
+N_MIN = typer.Option(0, help="Draft at least this many tokens before p_min applies.")
+TAU_ACCEPT = typer.Option(0.9, help="via: keep a draft token at or above this routing score.")
+TAU_FULL = typer.Option(0.3, help="via: send to the target below this score (>1: always).")
+ROUTE = typer.Option("slim", help="via: routing score from slim, draft or both.")
+MAX_LAG = typer.Option(32, help="via: the target verifies at least every this many tokens (0: never forced).")
+HIER_BLOCK = typer.Option(12, help="hier: tokens per target verification.")
+CTX = typer.Option(4096, help="Context window (tokens).")
+THREADS = typer.Option(None, help="CPU threads (default: all cores).")
+GPU_LAYERS = typer.Option(-1, help="Layers to offload to Metal/GPU (-1: all; CPU builds ignore it).")
+FLASH_ATTN = typer.Option(None, "--flash-attn/--no-flash-attn", help="Default: auto.")
+EXACT_OPT = typer.Option(False, "--exact", help="No weight repacking, F32 KV, no flash attention: batched and "
+                         "single decodes agree, so greedy sd/hier equal ar token for token (slower).")
+VERBOSE = typer.Option(False, "--verbose", "-v", help="Show llama.cpp's log.")
+
+
 def _spec(n_draft, tau_accept, tau_full, route, max_lag, hier_block) -> SpecParams:
     return SpecParams(n_draft=n_draft, tau_accept=tau_accept, tau_full=tau_full, route=route,
                       max_lag=max_lag, hier_block=hier_block)
@@ -62,12 +86,12 @@ def _spec(n_draft, tau_accept, tau_full, route, max_lag, hier_block) -> SpecPara
 def generate(
     prompt: str = typer.Argument(..., help="The prompt (a user message unless --raw)."),
     mode: str = typer.Option("ar", help=f"Decoding mode: {', '.join(ENGINE_MODES)}."),
-    pair: Optional[str] = typer.Option(None, help="Catalog pair (default: qwen2.5-coder)."),
-    target: Optional[str] = typer.Option(None, help="Target GGUF path or catalog name (overrides --pair)."),
-    draft: Optional[str] = typer.Option(None, help="Draft GGUF path or catalog name."),
-    slim: Optional[str] = typer.Option(None, help="Slim verifier GGUF (default: built from --slim-layers)."),
-    draft_layers: Optional[str] = typer.Option(None, help="Use a slim of the target as the draft, e.g. 0-11."),
-    slim_layers: Optional[str] = typer.Option(None, help="Target blocks for the slim verifier, e.g. 0-3,14-27."),
+    pair: Optional[str] = PAIR,
+    target: Optional[str] = TARGET,
+    draft: Optional[str] = DRAFT,
+    slim: Optional[str] = SLIM,
+    draft_layers: Optional[str] = DRAFT_LAYERS,
+    slim_layers: Optional[str] = SLIM_LAYERS,
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Maximum new tokens."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_k: int = typer.Option(0, help="0 = off."),
@@ -77,21 +101,20 @@ def generate(
     stop: List[str] = typer.Option([], help="Stop string (repeatable)."),
     raw: bool = typer.Option(False, help="Do not apply the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with text, stats and timings."),
-    n_draft: int = typer.Option(6, help="Draft tokens per round."),
-    p_min: float = typer.Option(0.0, help="Stop drafting when the draft's top probability is below this."),
-    n_min: int = typer.Option(0, help="Draft at least this many tokens before p_min applies."),
-    tau_accept: float = typer.Option(0.9, help="via: keep a draft token at or above this routing score."),
-    tau_full: float = typer.Option(0.3, help="via: send to the target below this score (>1: always)."),
-    route: str = typer.Option("slim", help="via: routing score from slim, draft or both."),
-    max_lag: int = typer.Option(32, help="via: the target verifies at least every this many tokens (0: never forced)."),
-    hier_block: int = typer.Option(12, help="hier: tokens per target verification."),
-    ctx: int = typer.Option(4096, help="Context window (tokens)."),
-    threads: Optional[int] = typer.Option(None, help="CPU threads (default: all cores)."),
-    gpu_layers: int = typer.Option(-1, help="Layers to offload to Metal/GPU (-1: all; CPU builds ignore it)."),
-    flash_attn: Optional[bool] = typer.Option(None, "--flash-attn/--no-flash-attn", help="Default: auto."),
-    exact: bool = typer.Option(False, help="No weight repacking, F32 KV, no flash attention: batched and "
-                               "single decodes agree, so greedy sd/hier equal ar token for token (slower)."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show llama.cpp's log."),
+    n_draft: int = N_DRAFT,
+    p_min: float = P_MIN,
+    n_min: int = N_MIN,
+    tau_accept: float = TAU_ACCEPT,
+    tau_full: float = TAU_FULL,
+    route: str = ROUTE,
+    max_lag: int = MAX_LAG,
+    hier_block: int = HIER_BLOCK,
+    ctx: int = CTX,
+    threads: Optional[int] = THREADS,
+    gpu_layers: int = GPU_LAYERS,
+    flash_attn: Optional[bool] = FLASH_ATTN,
+    exact: bool = EXACT_OPT,
+    verbose: bool = VERBOSE,
 ) -> None:
     """Generate text for PROMPT with the target alone (ar) or speculatively (sd, via, hier, lookup)."""
     _logging(verbose)
@@ -177,6 +200,60 @@ def bench(
                    f"agreement {s['fidelity']['agreement_mean']:.2f}")
 
 
+@app.command()
+def chat(
+    mode: str = typer.Option("sd", help=f"Decoding mode: {', '.join(ENGINE_MODES)}."),
+    system: Optional[str] = typer.Option(None, help="System message."),
+    show_tiers: bool = typer.Option(False, help="Colour each token by origin: green draft, yellow slim, blue target."),
+    max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Maximum tokens per answer."),
+    temperature: float = typer.Option(0.0),
+    seed: Optional[int] = typer.Option(None),
+    pair: Optional[str] = PAIR, target: Optional[str] = TARGET, draft: Optional[str] = DRAFT,
+    slim: Optional[str] = SLIM, draft_layers: Optional[str] = DRAFT_LAYERS, slim_layers: Optional[str] = SLIM_LAYERS,
+    n_draft: int = N_DRAFT, p_min: float = P_MIN, n_min: int = N_MIN, tau_accept: float = TAU_ACCEPT,
+    tau_full: float = TAU_FULL, route: str = ROUTE, max_lag: int = MAX_LAG, hier_block: int = HIER_BLOCK,
+    ctx: int = CTX, threads: Optional[int] = THREADS, gpu_layers: int = GPU_LAYERS,
+    flash_attn: Optional[bool] = FLASH_ATTN, exact: bool = EXACT_OPT, verbose: bool = VERBOSE,
+) -> None:
+    """Chat in the terminal, streaming, multi-turn (/help inside lists the commands)."""
+    from .chat import run
+
+    _logging(verbose)
+    opts = ModelOptions(pair, target, draft, slim, draft_layers, slim_layers, ctx, threads, gpu_layers,
+                        flash_attn, exact, _spec(n_draft, tau_accept, tau_full, route, max_lag, hier_block),
+                        p_min, n_min, mode)
+    with opts.engine(progress=True) as engine:
+        run(engine, system=system, max_tokens=max_tokens, show_tiers=show_tiers, temperature=temperature,
+            seed=seed)
+
+
+@app.command()
+def serve(
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default)."),
+    port: int = typer.Option(8080),
+    mode: str = typer.Option("sd", help=f"Default decoding mode: {', '.join(ENGINE_MODES)} (requests may set 'mode')."),
+    max_body: int = typer.Option(1 << 20, help="Largest request body in bytes."),
+    max_tokens_limit: int = typer.Option(4096, help="Largest max_tokens a request may ask for."),
+    pair: Optional[str] = PAIR, target: Optional[str] = TARGET, draft: Optional[str] = DRAFT,
+    slim: Optional[str] = SLIM, draft_layers: Optional[str] = DRAFT_LAYERS, slim_layers: Optional[str] = SLIM_LAYERS,
+    n_draft: int = N_DRAFT, p_min: float = P_MIN, n_min: int = N_MIN, tau_accept: float = TAU_ACCEPT,
+    tau_full: float = TAU_FULL, route: str = ROUTE, max_lag: int = MAX_LAG, hier_block: int = HIER_BLOCK,
+    ctx: int = CTX, threads: Optional[int] = THREADS, gpu_layers: int = GPU_LAYERS,
+    flash_attn: Optional[bool] = FLASH_ATTN, exact: bool = EXACT_OPT, verbose: bool = VERBOSE,
+) -> None:
+    """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)."""
+    from .server import run
+
+    _logging(verbose)
+    opts = ModelOptions(pair, target, draft, slim, draft_layers, slim_layers, ctx, threads, gpu_layers,
+                        flash_attn, exact, _spec(n_draft, tau_accept, tau_full, route, max_lag, hier_block),
+                        p_min, n_min, mode)
+    with opts.engine(progress=True) as engine:
+        engine.prepare(mode)
+        _err(f"via-edge serving {engine.model_name} ({mode}) on http://{host}:{port}/v1")
+        run(engine, host, port, max_body=max_body, max_tokens_limit=max_tokens_limit)
+
+
 # ---- models ----------------------------------------------------------------------------------------
 @models_app.command("list")
 def models_list() -> None:
@@ -225,6 +302,13 @@ def slim_build(
     from .slim import build_slim
 
     typer.echo(str(build_slim(catalog.resolve(target, pull_missing=True), layers, out)))
+
+
+def _load_progress(role: str, frac: float) -> None:
+    sys.stderr.write(f"\rloading {role} model {frac:4.0%}")
+    if frac >= 1.0:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
 
 
 def _logging(verbose: bool) -> None:

@@ -9,7 +9,7 @@ turns prompts into tokens, runs the decoding loop and turns tokens back into str
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
@@ -20,7 +20,7 @@ from .errors import ContextOverflowError, InvalidParameterError
 from .llama import LlamaModel, LoadParams
 from .prompts import render_chat
 from .sampling import SamplingParams
-from .slim import build_f32, build_slim, is_prefix, slice_seq_state, slim_layers
+from .slim import build_f32, build_slim, is_prefix, slice_seq_state, slim_source, target_sha256
 from .stats import Stats
 from .text import StopMatcher, StreamDecoder
 
@@ -42,7 +42,7 @@ class Result:
     tokens: list[int]
     origins: list[str]  # per token: draft, slim or target (which model produced it)
     tiers: list[str]    # per token: A, B or C (what decided it; see Stats)
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    finish_reason: str  # "stop" (EOS or a stop string), "length", or "cancelled" (should_stop)
     stats: Stats
     mode: str
     prompt_tokens: int
@@ -100,6 +100,7 @@ class Engine:
         self._pull = pull_missing
         self._f32 = f32  # run F32 copies of quantized models: see slim.build_f32
         self.target_path = self._model_path(target)
+        self.model_name = str(target) if not Path(str(target)).suffix == ".gguf" else self.target_path.stem
         self._draft_spec, self._draft_layers = draft, draft_layers
         self._slim_spec, self._slim_layers = slim, slim_layers
         self._n_min, self._p_min, self._lookup_ngram = n_min, p_min, lookup_ngram
@@ -150,9 +151,9 @@ class Engine:
                 raise InvalidParameterError(f"mode {mode} needs a slim verifier (or slim_layers)")
             m.slim = self._load("slim", path)
             check_compatible(m.target, m.slim, "slim")
-            recorded = slim_layers(path)
-            if recorded and is_prefix(recorded[0]) and recorded[1] == m.target.n_layer:
-                m.slim_prefix = len(recorded[0])
+            source = slim_source(path)  # KV import only from the very target the slim was cut from
+            if source and is_prefix(source[0]) and source[1] == target_sha256(self.target_path):
+                m.slim_prefix = len(source[0])
 
     def _drafter(self, mode: str) -> Drafter | None:
         if mode == "ar":
@@ -213,6 +214,24 @@ class Engine:
     def chat(self, messages: Sequence[Mapping[str, str]], **kwargs) -> Result:
         return self.generate(self.chat_prompt(messages), **kwargs)
 
+    def create_completion(self, prompt: str | Sequence[int], **kwargs):
+        """llama-cpp-python's `Llama.create_completion` shape (dict, or chunks with stream=True).
+
+        >>> engine.create_completion("def fib(n):", max_tokens=32, temperature=0)["choices"][0]["text"]
+        """
+        from .compat import create_completion
+
+        return create_completion(self, prompt, **kwargs)
+
+    def create_chat_completion(self, messages: Sequence[Mapping[str, str]], **kwargs):
+        """llama-cpp-python's `Llama.create_chat_completion` shape (dict, or chunks with stream=True).
+
+        >>> engine.create_chat_completion([{"role": "user", "content": "Hi"}])["choices"][0]["message"]
+        """
+        from .compat import create_chat_completion
+
+        return create_chat_completion(self, messages, **kwargs)
+
     def stream(
         self,
         prompt: str | Sequence[int],
@@ -227,11 +246,13 @@ class Engine:
         seed: int | None = None,
         chat_template: bool = True,
         spec: SpecParams | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> Iterator[Piece]:
         """Yield text pieces as tokens are committed; `self.last_result` holds the full result.
 
         A str prompt gets the model's chat template unless `chat_template=False`; a token list is
-        used as is. `temperature=0` is greedy.
+        used as is. `temperature=0` is greedy. `should_stop` is polled after every token (a
+        server's disconnected client, say); when it returns True the result ends as "cancelled".
         """
         mode = mode or self.mode
         if mode not in ENGINE_MODES:
@@ -246,10 +267,10 @@ class Engine:
         if len(tokens) >= self.target.n_ctx:
             raise ContextOverflowError(f"the prompt has {len(tokens)} tokens but the context window holds "
                                        f"{self.target.n_ctx}; shorten it or raise n_ctx")
-        return self._run(tokens, mode, sp, max_tokens, stop, spec or self.spec)
+        return self._run(tokens, mode, sp, max_tokens, stop, spec or self.spec, should_stop)
 
     def _run(self, prompt: list[int], mode: str, sp: SamplingParams, max_tokens: int,
-             stop: Sequence[str], spec: SpecParams) -> Iterator[Piece]:
+             stop: Sequence[str], spec: SpecParams, should_stop: Callable[[], bool] | None) -> Iterator[Piece]:
         m = self.models
         stats = Stats(prompt_tokens=len(prompt))
         loop_mode = "sd" if mode == "lookup" else mode
@@ -288,6 +309,9 @@ class Engine:
                     yield Piece(text, tok, origin)
                 if stopped_by_string:
                     finish = "stop"
+                    break
+                if should_stop is not None and should_stop():
+                    finish = "cancelled"
                     break
         finally:
             gen.close()

@@ -29,6 +29,7 @@ from .models import model_dir, sha256_file
 SWA_PERIOD = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "cohere2": 4, "llama4": 4}
 # architectures whose attention scale depends on the model size read off the layer count
 SIZE_FROM_LAYERS = {("gemma2", 46), ("gemma3", 62)}
+SLIM_FORMAT = 2  # bump when what build_slim writes changes, so stale cached slims are not reused
 STATE_MAGIC = 0xAF143CD8  # llama-context.cpp io_magic, heads llama_state_seq_get_data
 
 
@@ -109,7 +110,7 @@ def slim_path(target: Path, layers: tuple[int, ...], sha: str) -> Path:
     parent = target.parent if os.access(target.parent, os.W_OK) and "site-packages" not in target.parts \
         else model_dir()
     spec = format_layers(layers).replace(",", "_")
-    return parent / f"{target.stem}.slim-{sha[:12]}-L{spec}.gguf"
+    return parent / f"{target.stem}.slim{SLIM_FORMAT}-{sha[:12]}-L{spec}.gguf"
 
 
 def build_slim(target: str | os.PathLike, spec: str, out: str | os.PathLike | None = None) -> Path:
@@ -125,7 +126,8 @@ def build_slim(target: str | os.PathLike, spec: str, out: str | os.PathLike | No
     layers = parse_layers(spec, n_block)
     nextn = int(field_value(reader, f"{arch}.nextn_predict_layers") or 0)
     check_supported(arch, n_block, layers, nextn)
-    dest = Path(out) if out else slim_path(target, layers, target_sha256(target))
+    sha = target_sha256(target)
+    dest = Path(out) if out else slim_path(target, layers, sha)
     if dest.exists():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -154,6 +156,7 @@ def build_slim(target: str | os.PathLike, spec: str, out: str | os.PathLike | No
         writer.add_key_value(name, value, vtype, sub_type=sub)
     writer.add_key_value("via_edge.slim.layers", format_layers(layers), gguf.GGUFValueType.STRING)
     writer.add_key_value("via_edge.slim.source_blocks", n_block, gguf.GGUFValueType.UINT32)
+    writer.add_key_value("via_edge.slim.source_sha256", sha, gguf.GGUFValueType.STRING)
 
     kept = []
     for t in reader.tensors:
@@ -230,12 +233,13 @@ def build_f32(source: str | os.PathLike) -> Path:
     return dest
 
 
-def slim_layers(path: str | os.PathLike) -> tuple[tuple[int, ...], int] | None:
-    """(kept blocks, target block count) recorded in a slim we built, else None."""
+def slim_source(path: str | os.PathLike) -> tuple[tuple[int, ...], str] | None:
+    """(kept blocks, SHA-256 of the target it was cut from) for a slim we built, else None."""
     reader = open_reader(path)
     spec = field_value(reader, "via_edge.slim.layers")
     n = field_value(reader, "via_edge.slim.source_blocks")
-    return (parse_layers(spec, int(n)), int(n)) if spec and n else None
+    sha = field_value(reader, "via_edge.slim.source_sha256")
+    return (parse_layers(spec, int(n)), sha) if spec and n and sha else None
 
 
 # ---- KV import -----------------------------------------------------------------------------------

@@ -42,7 +42,9 @@ def summarize(results: dict) -> dict:
         }
         stats = [r["stats"] for r in mine if "stats" in r]
         if stats:
-            tot = lambda k: sum(s[k] for s in stats)  # noqa: E731
+            def tot(key: str, stats=stats) -> float:
+                return sum(s[key] for s in stats)
+
             gen = tot("generated_tokens")
             entry.update({
                 "draft_n": tot("draft_n"), "draft_n_accepted": tot("draft_n_accepted"),
@@ -73,8 +75,8 @@ def render_markdown(results: dict) -> str:
         "",
         f"- date: {meta['date']}; command: `{meta['command']}`",
         f"- machine: {m['cpu']}, {m['cores']} cores ({m['threads_used']} threads used), {m['os']}",
-        f"- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
-        f"- models: " + "; ".join(f"{role} {v['name']} ({v['blocks']} blocks, sha256 {v['sha256'][:12]})"
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
+        "- models: " + "; ".join(f"{role} {v['name']} ({v['blocks']} blocks, sha256 {v['sha256'][:12]})"
                                   for role, v in meta["models"].items()),
         f"- prompts: {len(meta['prompts'])} ({', '.join(sorted({p['category'] for p in meta['prompts']}))}), "
         f"max {meta['params']['max_tokens']} new tokens, greedy, chat template; kernels: "

@@ -24,7 +24,7 @@ from ..errors import InvalidParameterError
 from ..llama import EXACT, default_threads
 from ..slim import target_sha256
 from .peers import PEERS, Peer
-from .suite import Prompt, load_prompts
+from .suite import load_prompts
 
 WARMUP = "Say hello in one short sentence."
 QUICK = dict(pair="smollm2", per_category=1, max_tokens=32,

@@ -1,0 +1,64 @@
+"""`via-edge chat` through a real pseudo-terminal (pexpect)."""
+
+import sys
+
+import pexpect
+
+
+def spawn(*args, timeout=60):
+    child = pexpect.spawn(sys.executable, ["-m", "via_edge", "chat", *map(str, args)], encoding="utf-8",
+                          timeout=timeout)
+    child.expect("/help for commands")
+    child.expect_exact("> ")
+    return child
+
+
+def test_two_turns_stats_mode_and_history(tiny_target):
+    child = spawn("--target", tiny_target, "--draft-layers", "0-1", "--slim-layers", "0-2", "--exact",
+                  "--no-flash-attn", "--ctx", "96", "-n", "24", "--show-tiers")
+    child.sendline("hello there")
+    child.expect("\033\\[(32|34)m")  # coloured by origin
+    child.expect_exact("> ")
+    child.sendline("and a second turn")
+    child.expect_exact("> ")
+    child.sendline("/stats")
+    child.expect(r"\[mode sd\] (\d+) tokens at")
+    assert int(child.match.group(1)) > 0
+    child.expect_exact("> ")
+    child.sendline("/mode via")
+    child.expect_exact("[mode via]")
+    child.expect_exact("> ")
+    dropped = False  # llama.cpp pads n_ctx to 256 tokens: a few more turns fill it
+    for turn in range(8):
+        child.sendline(f"turn {turn}: a longer message that fills the small context window quickly")
+        dropped = child.expect_exact(["[oldest turns dropped", "> "]) == 0
+        if dropped:
+            child.expect_exact("> ")
+            break
+    assert dropped
+    child.sendline("/nonsense")
+    child.expect_exact("unknown command /nonsense")
+    child.expect_exact("> ")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_ctrl_c_stops_the_answer_and_keeps_the_session(smollm2):
+    child = spawn("--target", smollm2, "--mode", "ar", "-n", "3000")
+    ask = "Write a very long essay about the history of computers, with many sections."
+    child.sendline(ask)
+    child.expect_exact(ask + "\r\n")  # the terminal's echo of the question
+    child.expect(r"\w+ \w+ \w+")  # the answer is streaming
+    child.sendintr()
+    child.expect_exact("[stopped]", timeout=10)
+    child.expect_exact("> ")
+    child.sendline("/stats")
+    child.expect(r"(\d+) tokens at")
+    assert 0 < int(child.match.group(1)) < 3000
+    child.expect_exact("> ")
+    child.sendeof()  # Ctrl-D quits cleanly
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
