@@ -14,7 +14,7 @@ def spawn(*args, timeout=60):
 
 
 def test_two_turns_stats_mode_and_history(tiny_target):
-    child = spawn("--target", tiny_target, "--draft-layers", "0-1", "--slim-layers", "0-2", "--exact",
+    child = spawn("--target", tiny_target, "--draft-layers", "0-1", "--slim-layers", "0-2", "--exact", "--kv-type", "f32",
                   "--no-flash-attn", "--ctx", "96", "-n", "24", "--show-tiers")
     child.sendline("hello there")
     child.expect("\033\\[(32|34)m")  # coloured by origin

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-EXACT_FLAGS = ["--exact", "--no-flash-attn", "--ctx", "256"]
+EXACT_FLAGS = ["--exact", "--no-flash-attn", "--kv-type", "f32", "--ctx", "256"]
 
 
 def cli(*args, ok=True):

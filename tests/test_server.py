@@ -43,7 +43,7 @@ def start(args) -> tuple[subprocess.Popen, str]:
 @pytest.fixture(scope="module")
 def server(tiny_target):
     proc, base = start(["--target", tiny_target, "--draft-layers", "0-1", "--slim-layers", "0-2", "--mode", "sd",
-                        "--exact", "--no-flash-attn", "--ctx", "512", "--max-tokens-limit", "256",
+                        "--exact", "--no-flash-attn", "--kv-type", "f32", "--ctx", "512", "--max-tokens-limit", "256",
                         "--max-body", "20000"])
     yield base
     proc.terminate()

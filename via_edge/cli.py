@@ -32,14 +32,14 @@ class ModelOptions:
     """The options every command that loads models shares, turned into an Engine."""
 
     def __init__(self, pair, target, draft, slim, draft_layers, slim_layers, ctx, threads, gpu_layers,
-                 flash_attn, exact, spec, p_min, n_min, mode):
+                 flash_attn, exact, spec, p_min, n_min, mode, kv_type="f16"):
         self.__dict__.update(locals())
         del self.__dict__["self"]
 
     def engine(self, progress: bool = False) -> Engine:
         kw = dict(mode=self.mode, n_ctx=self.ctx, n_threads=self.threads, n_gpu_layers=self.gpu_layers,
                   flash_attn=self.flash_attn, spec=self.spec, p_min=self.p_min, n_min=self.n_min,
-                  pull_missing=True, progress=_load_progress if progress else None)
+                  kv_type=self.kv_type, pull_missing=True, progress=_load_progress if progress else None)
         if self.exact:
             kw.update(EXACT)
         if self.draft_layers:
@@ -72,8 +72,9 @@ CTX = typer.Option(4096, help="Context window (tokens).")
 THREADS = typer.Option(None, help="CPU threads (default: all cores).")
 GPU_LAYERS = typer.Option(-1, help="Layers to offload to Metal/GPU (-1: all; CPU builds ignore it).")
 FLASH_ATTN = typer.Option(None, "--flash-attn/--no-flash-attn", help="Default: auto.")
-EXACT_OPT = typer.Option(False, "--exact", help="No weight repacking, F32 KV, no flash attention: batched and "
-                         "single decodes agree, so greedy sd/hier equal ar token for token (slower).")
+EXACT_OPT = typer.Option(False, "--exact", help="No weight repacking: verification batches of up to 7 tokens then "
+                         "compute exactly what single decodes do, so greedy sd (n_draft <= 6) equals ar (slower).")
+KV_TYPE = typer.Option("f16", help="KV cache type: f16, f32 or q8_0.")
 VERBOSE = typer.Option(False, "--verbose", "-v", help="Show llama.cpp's log.")
 
 
@@ -114,13 +115,14 @@ def generate(
     gpu_layers: int = GPU_LAYERS,
     flash_attn: Optional[bool] = FLASH_ATTN,
     exact: bool = EXACT_OPT,
+    kv_type: str = KV_TYPE,
     verbose: bool = VERBOSE,
 ) -> None:
     """Generate text for PROMPT with the target alone (ar) or speculatively (sd, via, hier, lookup)."""
     _logging(verbose)
     opts = ModelOptions(pair, target, draft, slim, draft_layers, slim_layers, ctx, threads, gpu_layers,
                         flash_attn, exact, _spec(n_draft, tau_accept, tau_full, route, max_lag, hier_block),
-                        p_min, n_min, mode)
+                        p_min, n_min, mode, kv_type)
     with opts.engine() as engine:
         stream = engine.stream(prompt, max_tokens=max_tokens, stop=stop, mode=mode, temperature=temperature,
                                top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, chat_template=not raw)
@@ -213,7 +215,8 @@ def chat(
     n_draft: int = N_DRAFT, p_min: float = P_MIN, n_min: int = N_MIN, tau_accept: float = TAU_ACCEPT,
     tau_full: float = TAU_FULL, route: str = ROUTE, max_lag: int = MAX_LAG, hier_block: int = HIER_BLOCK,
     ctx: int = CTX, threads: Optional[int] = THREADS, gpu_layers: int = GPU_LAYERS,
-    flash_attn: Optional[bool] = FLASH_ATTN, exact: bool = EXACT_OPT, verbose: bool = VERBOSE,
+    flash_attn: Optional[bool] = FLASH_ATTN, exact: bool = EXACT_OPT, kv_type: str = KV_TYPE,
+    verbose: bool = VERBOSE,
 ) -> None:
     """Chat in the terminal, streaming, multi-turn (/help inside lists the commands)."""
     from .chat import run
@@ -221,7 +224,7 @@ def chat(
     _logging(verbose)
     opts = ModelOptions(pair, target, draft, slim, draft_layers, slim_layers, ctx, threads, gpu_layers,
                         flash_attn, exact, _spec(n_draft, tau_accept, tau_full, route, max_lag, hier_block),
-                        p_min, n_min, mode)
+                        p_min, n_min, mode, kv_type)
     with opts.engine(progress=True) as engine:
         run(engine, system=system, max_tokens=max_tokens, show_tiers=show_tiers, temperature=temperature,
             seed=seed)
@@ -239,7 +242,8 @@ def serve(
     n_draft: int = N_DRAFT, p_min: float = P_MIN, n_min: int = N_MIN, tau_accept: float = TAU_ACCEPT,
     tau_full: float = TAU_FULL, route: str = ROUTE, max_lag: int = MAX_LAG, hier_block: int = HIER_BLOCK,
     ctx: int = CTX, threads: Optional[int] = THREADS, gpu_layers: int = GPU_LAYERS,
-    flash_attn: Optional[bool] = FLASH_ATTN, exact: bool = EXACT_OPT, verbose: bool = VERBOSE,
+    flash_attn: Optional[bool] = FLASH_ATTN, exact: bool = EXACT_OPT, kv_type: str = KV_TYPE,
+    verbose: bool = VERBOSE,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)."""
     from .server import run
@@ -247,7 +251,7 @@ def serve(
     _logging(verbose)
     opts = ModelOptions(pair, target, draft, slim, draft_layers, slim_layers, ctx, threads, gpu_layers,
                         flash_attn, exact, _spec(n_draft, tau_accept, tau_full, route, max_lag, hier_block),
-                        p_min, n_min, mode)
+                        p_min, n_min, mode, kv_type)
     with opts.engine(progress=True) as engine:
         engine.prepare(mode)
         _err(f"via-edge serving {engine.model_name} ({mode}) on http://{host}:{port}/v1")

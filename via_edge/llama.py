@@ -71,18 +71,21 @@ def extra_bufts_default() -> bool:
     return os.environ.get("VIA_EDGE_EXTRA_BUFTS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-# what makes a multi-token batch compute exactly what single-token decodes compute (see LoadParams)
-EXACT = {"use_extra_bufts": False, "kv_type": "f32", "flash_attn": False}
+# What makes a multi-token batch compute exactly what single-token decodes compute (see LoadParams
+# and docs/benchmarks.md, "kernels"). Quantized models: no weight repacking, and batches of at most
+# 7 tokens (llama.cpp's defaults otherwise). F32 models: also an F32 KV cache and no flash attention.
+EXACT = {"use_extra_bufts": False}
+EXACT_F32 = {"use_extra_bufts": False, "kv_type": "f32", "flash_attn": False}
 
 
 @dataclass(frozen=True)
 class LoadParams:
     """How to load a GGUF.
 
-    Batched and single-token decodes agree only as far as the kernels allow: weight repacking
-    (`use_extra_bufts`), an F16 KV cache and flash attention each make a multi-token batch round
-    differently from one token at a time. `use_extra_bufts=False, kv_type="f32", flash_attn=False`
-    makes them agree to ~1e-5, which exact greedy tests need.
+    Batched and single-token decodes agree only as far as the kernels allow. Measured here:
+    quantized models without weight repacking (`use_extra_bufts=False`) give bit-identical logits
+    for batches of up to 7 tokens and differ from 8 on; with repacking, from 4 on. F32 models agree
+    to ~1e-5 for any batch with an F32 KV cache and flash attention off (`EXACT_F32`).
     """
 
     n_ctx: int = 4096

@@ -80,8 +80,8 @@ def render_markdown(results: dict) -> str:
                                   for role, v in meta["models"].items()),
         f"- prompts: {len(meta['prompts'])} ({', '.join(sorted({p['category'] for p in meta['prompts']}))}), "
         f"max {meta['params']['max_tokens']} new tokens, greedy, chat template; kernels: "
-        f"{'exact (no repacking, F32 KV, no flash attention)' if meta['params']['exact_kernels'] else 'fast (llama.cpp defaults)'}"
-        f"{', F32 copies of the weights' if meta['params'].get('f32_weights') else ''}",
+        f"{'exact (no weight repacking)' if meta['params']['exact_kernels'] else 'fast (llama.cpp defaults)'}"
+        f"{', F32 copies of the weights, F32 KV, no flash attention' if meta['params'].get('f32_weights') else ''}",
         f"- speculation: {meta['params']['spec']}, p_min {meta['params']['p_min']}",
         "",
         "## Summary (speedup = geometric mean over prompts of tok/s ÷ `ar` tok/s on the same prompt)",

@@ -21,7 +21,7 @@ from .. import models as catalog
 from ..decoding import SpecParams
 from ..engine import ENGINE_MODES, Engine
 from ..errors import InvalidParameterError
-from ..llama import EXACT, default_threads
+from ..llama import EXACT, EXACT_F32, default_threads
 from ..slim import target_sha256
 from .peers import PEERS, Peer
 from .suite import load_prompts
@@ -122,7 +122,8 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
     prompts = load_prompts(cfg.suite, cfg.categories, cfg.per_category)
     threads = cfg.threads or default_threads()
     engine = Engine.from_pair(cfg.pair, mode="ar", n_ctx=cfg.n_ctx, n_threads=threads, spec=cfg.spec,
-                              p_min=cfg.p_min, pull_missing=True, f32=cfg.f32, **(EXACT if cfg.exact else {}))
+                              p_min=cfg.p_min, pull_missing=True, f32=cfg.f32,
+                              **((EXACT_F32 if cfg.f32 else EXACT) if cfg.exact else {}))
     peers: list[Peer] = []
     try:
         for mode in cfg.modes:
