@@ -36,6 +36,15 @@ class ModelOptions:
         self.__dict__.update(locals())
         del self.__dict__["self"]
 
+    @classmethod
+    def from_args(cls, args: dict) -> "ModelOptions":
+        """From a command's own arguments (the shared options above, by name)."""
+        spec = _spec(args["n_draft"], args["tau_accept"], args["tau_full"], args["route"], args["max_lag"],
+                     args["hier_block"])
+        return cls(args["pair"], args["target"], args["draft"], args["slim"], args["draft_layers"],
+                   args["slim_layers"], args["ctx"], args["threads"], args["gpu_layers"], args["flash_attn"],
+                   args["exact"], spec, args["p_min"], args["n_min"], args["mode"], args["kv_type"])
+
     def engine(self, progress: bool = False) -> Engine:
         kw = dict(mode=self.mode, n_ctx=self.ctx, n_threads=self.threads, n_gpu_layers=self.gpu_layers,
                   flash_attn=self.flash_attn, spec=self.spec, p_min=self.p_min, n_min=self.n_min,
@@ -120,9 +129,7 @@ def generate(
 ) -> None:
     """Generate text for PROMPT with the target alone (ar) or speculatively (sd, via, hier, lookup)."""
     _logging(verbose)
-    opts = ModelOptions(pair, target, draft, slim, draft_layers, slim_layers, ctx, threads, gpu_layers,
-                        flash_attn, exact, _spec(n_draft, tau_accept, tau_full, route, max_lag, hier_block),
-                        p_min, n_min, mode, kv_type)
+    opts = ModelOptions.from_args(locals())
     with opts.engine() as engine:
         stream = engine.stream(prompt, max_tokens=max_tokens, stop=stop, mode=mode, temperature=temperature,
                                top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, chat_template=not raw)
@@ -222,9 +229,7 @@ def chat(
     from .chat import run
 
     _logging(verbose)
-    opts = ModelOptions(pair, target, draft, slim, draft_layers, slim_layers, ctx, threads, gpu_layers,
-                        flash_attn, exact, _spec(n_draft, tau_accept, tau_full, route, max_lag, hier_block),
-                        p_min, n_min, mode, kv_type)
+    opts = ModelOptions.from_args(locals())
     with opts.engine(progress=True) as engine:
         run(engine, system=system, max_tokens=max_tokens, show_tiers=show_tiers, temperature=temperature,
             seed=seed)
@@ -249,9 +254,7 @@ def serve(
     from .server import run
 
     _logging(verbose)
-    opts = ModelOptions(pair, target, draft, slim, draft_layers, slim_layers, ctx, threads, gpu_layers,
-                        flash_attn, exact, _spec(n_draft, tau_accept, tau_full, route, max_lag, hier_block),
-                        p_min, n_min, mode, kv_type)
+    opts = ModelOptions.from_args(locals())
     with opts.engine(progress=True) as engine:
         engine.prepare(mode)
         _err(f"via-edge serving {engine.model_name} ({mode}) on http://{host}:{port}/v1")

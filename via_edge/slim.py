@@ -106,11 +106,32 @@ def target_sha256(path: Path) -> str:
     return digest
 
 
+def derived_dir(source: Path) -> Path:
+    """Derived files go next to their source, unless that is read-only or inside a Python package."""
+    if os.access(source.parent, os.W_OK) and "site-packages" not in source.parts:
+        return source.parent
+    return model_dir()
+
+
 def slim_path(target: Path, layers: tuple[int, ...], sha: str) -> Path:
-    parent = target.parent if os.access(target.parent, os.W_OK) and "site-packages" not in target.parts \
-        else model_dir()
     spec = format_layers(layers).replace(",", "_")
-    return parent / f"{target.stem}.slim{SLIM_FORMAT}-{sha[:12]}-L{spec}.gguf"
+    return derived_dir(target) / f"{target.stem}.slim{SLIM_FORMAT}-{sha[:12]}-L{spec}.gguf"
+
+
+def _write_atomically(writer, tmp: Path, dest: Path, arrays) -> None:
+    """Header, metadata, tensor infos, then each array of `arrays`; renamed only when complete."""
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for array in arrays:
+            writer.write_tensor_data(array)
+        writer.close()
+        tmp.replace(dest)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def build_slim(target: str | os.PathLike, spec: str, out: str | os.PathLike | None = None) -> Path:
@@ -170,18 +191,7 @@ def build_slim(target: str | os.PathLike, spec: str, out: str | os.PathLike | No
             kept.append((t.name, t))
     for name, t in kept:
         writer.add_tensor_info(name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for _, t in kept:
-            writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
-        writer.close()
-        tmp.replace(dest)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
+    _write_atomically(writer, tmp, dest, (t.data for _, t in kept))
     return dest
 
 
@@ -198,8 +208,7 @@ def build_f32(source: str | os.PathLike) -> Path:
     source = Path(source)
     reader = open_reader(source)
     arch = field_value(reader, "general.architecture")
-    parent = source.parent if os.access(source.parent, os.W_OK) and "site-packages" not in source.parts \
-        else model_dir()
+    parent = derived_dir(source)
     dest = parent / f"{source.stem}.f32-{target_sha256(source)[:12]}.gguf"
     if dest.exists():
         return dest
@@ -218,18 +227,8 @@ def build_f32(source: str | os.PathLike) -> Path:
     shapes = [tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors]
     for t, shape in zip(reader.tensors, shapes):
         writer.add_tensor_info(t.name, shape, np.float32, int(np.prod(shape)) * 4, gguf.GGMLQuantizationType.F32)
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for t, shape in zip(reader.tensors, shapes):
-            writer.write_tensor_data(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape))
-        writer.close()
-        tmp.replace(dest)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
+    _write_atomically(writer, tmp, dest, (gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+                                          .reshape(shape) for t, shape in zip(reader.tensors, shapes)))
     return dest
 
 
