@@ -152,3 +152,18 @@ def test_compatibility_rule_names_each_difference():
     with pytest.raises(IncompatibleModelsError, match="token 77 differs"):
         check_compatible(FakeVocab(), FakeVocab(texts={77: b"other"}), "draft")
     check_compatible(FakeVocab(), FakeVocab(texts={3: b"other"}), "draft")  # ids below 5 are not compared
+
+
+def test_f32_copy_of_a_quantized_model(tiny_q8, tmp_path):
+    import shutil
+
+    from via_edge.slim import build_f32
+
+    src = tmp_path / "q8.gguf"
+    shutil.copy(tiny_q8, src)
+    f32 = build_f32(src)
+    assert f32.parent == tmp_path and build_f32(src) == f32  # next to its source, reused
+    assert {t.tensor_type.name for t in open_reader(f32).tensors} == {"F32"}
+    with LlamaModel(src, PARAMS) as q, LlamaModel(f32, PARAMS) as f:
+        toks = q.tokenize("dequantized weights compute the same model")
+        assert (q.eval(toks, len(toks)).argmax(1) == f.eval(toks, len(toks)).argmax(1)).mean() > 0.8

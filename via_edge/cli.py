@@ -311,10 +311,16 @@ def slim_build(
     typer.echo(str(build_slim(catalog.resolve(target, pull_missing=True), layers, out)))
 
 
+_shown: dict[str, int] = {}
+
+
 def _load_progress(role: str, frac: float) -> None:
-    sys.stderr.write(f"\rloading {role} model {frac:4.0%}")
-    if frac >= 1.0:
-        sys.stderr.write("\n")
+    """One line per model, rewritten only when the whole percentage changes."""
+    pct = int(frac * 100)
+    if _shown.get(role) == pct:
+        return
+    _shown[role] = pct
+    sys.stderr.write(f"\rloading {role} model {pct:3d}%" + ("\n" if pct >= 100 else ""))
     sys.stderr.flush()
 
 
