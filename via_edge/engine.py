@@ -275,9 +275,9 @@ class Engine:
         stats = Stats(prompt_tokens=len(prompt))
         loop_mode = "sd" if mode == "lookup" else mode
         used = [("target", m.target)]
-        if loop_mode in ("sd", "via", "hier") and mode != "lookup":
+        if mode in ("sd", "via", "hier"):  # lookup drafts without a model
             used.append(("draft", m.draft))
-        if loop_mode in ("via", "hier"):
+        if mode in ("via", "hier"):
             used.append(("slim", m.slim))
         before = {role: replace(model.usage) for role, model in used}
 
