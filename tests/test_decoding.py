@@ -208,9 +208,9 @@ def test_chi2_sf_known_values():
 def test_p_min_and_n_min_bound_the_draft(tiny_target):
     """p_min = 1 stops every draft before its first token unless n_min forces some."""
     for n_min, expected in ((0, 0), (2, 2)):
-        with Engine(tiny_target, draft_layers="0-1", p_min=1.0, n_min=n_min, **EXACT) as engine:
+        with Engine(tiny_target, draft_layers="0-1", **EXACT) as engine:
             ar = run(engine, "hello world", "ar", max_tokens=30)
-            sd = run(engine, "hello world", "sd", max_tokens=30, spec=SpecParams(n_draft=5))
+            sd = run(engine, "hello world", "sd", max_tokens=30, spec=SpecParams(n_draft=5, p_min=1.0, n_min=n_min))
             assert sd.tokens == ar.tokens
             rounds_with_room = sd.stats.rounds - 1  # the last round may be cut by the budget
             assert sd.stats.draft_n >= expected * rounds_with_room

@@ -87,12 +87,17 @@ def make_tiny_gguf(
     context_length: int = 512,
     seed: int = 0,
     block_scale: float = 1.0,
+    block_scales: "list[float] | None" = None,
     tied: bool = False,
     dtype: str = "F32",
     extra_tokens: int = 0,
     eos_after: int = 3,
 ) -> Path:
-    """Write a tiny model; weights depend only on `seed`, so equal seeds give equal files."""
+    """Write a tiny model; weights depend only on `seed`, so equal seeds give equal files.
+
+    `block_scales` sets each block's residual scale (default `block_scale` for all): near-zero
+    blocks barely matter, large ones dominate, which plants a known best slim for search tests.
+    """
     import gguf
 
     if arch not in ("llama", "qwen2"):
@@ -144,8 +149,12 @@ def make_tiny_gguf(
     inv = 1.0 / np.sqrt(n_embd)
     embd = rng.standard_normal((n_vocab, n_embd)).astype(np.float32)
     w.add_tensor("token_embd.weight", embd)
+    scales = list(block_scales) if block_scales is not None else [block_scale] * blocks
+    if len(scales) != blocks:
+        raise ValueError(f"block_scales needs {blocks} values")
     for i in range(blocks):
         p = f"blk.{i}."
+        scale = scales[i]
         add_norm(p + "attn_norm.weight", n_embd)
         add(p + "attn_q.weight", (n_embd, n_embd), inv)
         add(p + "attn_k.weight", (n_kv, n_embd), inv)
@@ -154,11 +163,11 @@ def make_tiny_gguf(
             add(p + "attn_q.bias", (n_embd,), 0.1)
             add(p + "attn_k.bias", (n_kv,), 0.1)
             add(p + "attn_v.bias", (n_kv,), 0.1)
-        add(p + "attn_output.weight", (n_embd, n_embd), inv * block_scale)
+        add(p + "attn_output.weight", (n_embd, n_embd), inv * scale)
         add_norm(p + "ffn_norm.weight", n_embd)
         add(p + "ffn_gate.weight", (n_ff, n_embd), inv)
         add(p + "ffn_up.weight", (n_ff, n_embd), inv)
-        add(p + "ffn_down.weight", (n_embd, n_ff), block_scale / np.sqrt(n_ff))
+        add(p + "ffn_down.weight", (n_embd, n_ff), scale / np.sqrt(n_ff))
     add_norm("output_norm.weight", n_embd)
     if not tied:
         w.add_tensor("output.weight", cyclic_head(embd, rng, eos=tokens.index("<|im_end|>"), n_eos_after=eos_after))

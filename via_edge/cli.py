@@ -29,37 +29,39 @@ def _err(msg: str) -> None:
 
 
 class ModelOptions:
-    """The options every command that loads models shares, turned into an Engine."""
+    """The options every command that loads models shares, turned into an Engine.
 
-    def __init__(self, pair, target, draft, slim, draft_layers, slim_layers, ctx, threads, gpu_layers,
-                 flash_attn, exact, spec, p_min, n_min, mode, kv_type="f16"):
-        self.__dict__.update(locals())
-        del self.__dict__["self"]
+    Speculation knobs left unset (None) come from the pair's tuned choice on this machine when
+    there is one (`via-edge tune`), else from SpecParams' defaults.
+    """
+
+    KNOBS = ("n_draft", "tau_accept", "tau_full", "route", "max_lag", "hier_block", "p_min", "n_min")
+
+    def __init__(self, args: dict, fallback_mode: str) -> None:
+        self.args, self.fallback_mode = args, fallback_mode
 
     @classmethod
-    def from_args(cls, args: dict) -> "ModelOptions":
-        """From a command's own arguments (the shared options above, by name)."""
-        spec = _spec(args["n_draft"], args["tau_accept"], args["tau_full"], args["route"], args["max_lag"],
-                     args["hier_block"])
-        return cls(args["pair"], args["target"], args["draft"], args["slim"], args["draft_layers"],
-                   args["slim_layers"], args["ctx"], args["threads"], args["gpu_layers"], args["flash_attn"],
-                   args["exact"], spec, args["p_min"], args["n_min"], args["mode"], args["kv_type"])
+    def from_args(cls, args: dict, fallback_mode: str = "ar") -> "ModelOptions":
+        """From a command's own arguments (the shared options below, by name)."""
+        return cls(dict(args), fallback_mode)
 
     def engine(self, progress: bool = False) -> Engine:
-        kw = dict(mode=self.mode, n_ctx=self.ctx, n_threads=self.threads, n_gpu_layers=self.gpu_layers,
-                  flash_attn=self.flash_attn, spec=self.spec, p_min=self.p_min, n_min=self.n_min,
-                  kv_type=self.kv_type, pull_missing=True, progress=_load_progress if progress else None)
-        if self.exact:
+        a = self.args
+        overrides = {k: a[k] for k in self.KNOBS if a.get(k) is not None}
+        kw = dict(n_ctx=a["ctx"], n_threads=a["threads"], n_gpu_layers=a["gpu_layers"], flash_attn=a["flash_attn"],
+                  kv_type=a["kv_type"], pull_missing=True, progress=_load_progress if progress else None)
+        if a["exact"]:
             kw.update(EXACT)
-        if self.draft_layers:
-            kw["draft_layers"] = self.draft_layers
-        if self.slim_layers:
-            kw["slim_layers"] = self.slim_layers
-        if self.target:
-            return Engine(self.target, self.draft, self.slim, **kw)
-        if self.draft or self.slim:
+        for key in ("draft_layers", "slim_layers", "mode"):
+            if a.get(key):
+                kw[key] = a[key]
+        if a["target"]:
+            kw.setdefault("mode", self.fallback_mode)
+            return Engine(a["target"], a["draft"], a["slim"], spec=SpecParams(**overrides), **kw)
+        if a["draft"] or a["slim"]:
             raise ViaEdgeError("--draft and --slim need --target (or use --pair)")
-        return Engine.from_pair(self.pair, **kw)
+        return Engine.from_pair(a["pair"], tuned=not a.get("untuned"), overrides=overrides,
+                                fallback_mode=self.fallback_mode, **kw)
 
 
 # options shared by generate, chat and serve (typer lets one Option object serve several commands)
@@ -68,15 +70,26 @@ TARGET = typer.Option(None, help="Target GGUF path or catalog name (overrides --
 DRAFT = typer.Option(None, help="Draft GGUF path or catalog name.")
 SLIM = typer.Option(None, help="Slim verifier GGUF (default: built from --slim-layers).")
 DRAFT_LAYERS = typer.Option(None, help="Use a slim of the target as the draft, e.g. 0-11.")
-SLIM_LAYERS = typer.Option(None, help="Target blocks for the slim verifier, e.g. 0-3,14-27.")
-N_DRAFT = typer.Option(6, help="Draft tokens per round.")
-P_MIN = typer.Option(0.0, help="Stop drafting when the draft's top probability is below this.")
-N_MIN = typer.Option(0, help="Draft at least this many tokens before p_min applies.")
-TAU_ACCEPT = typer.Option(0.9, help="via: keep a draft token at or above this routing score.")
-TAU_FULL = typer.Option(0.3, help="via: send to the target below this score (>1: always).")
-ROUTE = typer.Option("slim", help="via: routing score from slim, draft or both.")
-MAX_LAG = typer.Option(32, help="via: the target verifies at least every this many tokens (0: never forced).")
-HIER_BLOCK = typer.Option(12, help="hier: tokens per target verification.")
+SLIM_LAYERS = typer.Option(None, help="Target blocks for the slim verifier, e.g. 0-3,14-27 [default: tuned, "
+                           "else the catalog's].")
+_D = SpecParams()
+TUNED_NOTE = " [default: tuned, else {}]"
+N_DRAFT = typer.Option(None, help="Draft tokens per round." + TUNED_NOTE.format(_D.n_draft), show_default=False)
+P_MIN = typer.Option(None, help="Stop drafting when the draft's top probability is below this."
+                     + TUNED_NOTE.format(_D.p_min), show_default=False)
+N_MIN = typer.Option(None, help="Draft at least this many tokens before p_min applies."
+                     + TUNED_NOTE.format(_D.n_min), show_default=False)
+TAU_ACCEPT = typer.Option(None, help="via: keep a draft token at or above this routing score."
+                          + TUNED_NOTE.format(_D.tau_accept), show_default=False)
+TAU_FULL = typer.Option(None, help="via: send to the target below this score (>1: always)."
+                        + TUNED_NOTE.format(_D.tau_full), show_default=False)
+ROUTE = typer.Option(None, help="via: routing score from slim, draft or both." + TUNED_NOTE.format(_D.route),
+                     show_default=False)
+MAX_LAG = typer.Option(None, help="via: the target verifies at least every this many tokens (0: never forced)."
+                       + TUNED_NOTE.format(_D.max_lag), show_default=False)
+HIER_BLOCK = typer.Option(None, help="hier: tokens per target verification." + TUNED_NOTE.format(_D.hier_block),
+                          show_default=False)
+UNTUNED = typer.Option(False, "--untuned", help="Ignore the pair's tuned choice (via-edge tune) on this machine.")
 CTX = typer.Option(4096, help="Context window (tokens).")
 THREADS = typer.Option(None, help="CPU threads (default: all cores).")
 GPU_LAYERS = typer.Option(-1, help="Layers to offload to Metal/GPU (-1: all; CPU builds ignore it).")
@@ -87,15 +100,11 @@ KV_TYPE = typer.Option("f16", help="KV cache type: f16, f32 or q8_0.")
 VERBOSE = typer.Option(False, "--verbose", "-v", help="Show llama.cpp's log.")
 
 
-def _spec(n_draft, tau_accept, tau_full, route, max_lag, hier_block) -> SpecParams:
-    return SpecParams(n_draft=n_draft, tau_accept=tau_accept, tau_full=tau_full, route=route,
-                      max_lag=max_lag, hier_block=hier_block)
-
-
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="The prompt (a user message unless --raw)."),
-    mode: str = typer.Option("ar", help=f"Decoding mode: {', '.join(ENGINE_MODES)}."),
+    mode: Optional[str] = typer.Option(None, help=f"Decoding mode: {', '.join(ENGINE_MODES)} [default: tuned, else ar].",
+                                       show_default=False),
     pair: Optional[str] = PAIR,
     target: Optional[str] = TARGET,
     draft: Optional[str] = DRAFT,
@@ -111,14 +120,15 @@ def generate(
     stop: List[str] = typer.Option([], help="Stop string (repeatable)."),
     raw: bool = typer.Option(False, help="Do not apply the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with text, stats and timings."),
-    n_draft: int = N_DRAFT,
-    p_min: float = P_MIN,
-    n_min: int = N_MIN,
-    tau_accept: float = TAU_ACCEPT,
-    tau_full: float = TAU_FULL,
-    route: str = ROUTE,
-    max_lag: int = MAX_LAG,
-    hier_block: int = HIER_BLOCK,
+    n_draft: Optional[int] = N_DRAFT,
+    p_min: Optional[float] = P_MIN,
+    n_min: Optional[int] = N_MIN,
+    tau_accept: Optional[float] = TAU_ACCEPT,
+    tau_full: Optional[float] = TAU_FULL,
+    route: Optional[str] = ROUTE,
+    max_lag: Optional[int] = MAX_LAG,
+    hier_block: Optional[int] = HIER_BLOCK,
+    untuned: bool = UNTUNED,
     ctx: int = CTX,
     threads: Optional[int] = THREADS,
     gpu_layers: int = GPU_LAYERS,
@@ -131,6 +141,7 @@ def generate(
     _logging(verbose)
     opts = ModelOptions.from_args(locals())
     with opts.engine() as engine:
+        mode = engine.mode
         stream = engine.stream(prompt, max_tokens=max_tokens, stop=stop, mode=mode, temperature=temperature,
                                top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, chat_template=not raw)
         for piece in stream:
@@ -172,6 +183,8 @@ def bench(
                                "as draft, 4 prompts: about a minute."),
     peers: bool = typer.Option(True, "--peers/--no-peers", help="Also measure llama-cpp-python's Llama."),
     exact: bool = typer.Option(False, help="Exact kernels (see generate --exact): lossless modes match ar."),
+    tuned: bool = typer.Option(False, "--tuned", help="Also run every mode with the pair's tuned knobs and slim "
+                               "(via-edge tune), as <mode>:tuned beside the defaults, interleaved."),
     compare: Optional[Tuple[Path, Path]] = typer.Option(None, help="Diff two results files instead of running."),
     n_draft: int = typer.Option(6),
     p_min: float = typer.Option(0.0),
@@ -193,8 +206,9 @@ def bench(
     cfg = B.BenchConfig(pair=pair, modes=[m.strip() for m in modes.split(",") if m.strip()], peers=peers,
                         suite=suite, categories=[c.strip() for c in categories.split(",")] if categories else None,
                         per_category=per_category, max_tokens=max_tokens, exact=exact, n_ctx=ctx,
-                        threads=threads, spec=_spec(n_draft, tau_accept, tau_full, route, max_lag, hier_block),
-                        p_min=p_min, quick=quick, command="via-edge " + " ".join(sys.argv[1:]))
+                        threads=threads, tuned=tuned, quick=quick, command="via-edge " + " ".join(sys.argv[1:]),
+                        spec=SpecParams(n_draft=n_draft, tau_accept=tau_accept, tau_full=tau_full, route=route,
+                                        max_lag=max_lag, hier_block=hier_block, p_min=p_min))
     if quick:
         cfg.pair = pair or B.QUICK["pair"]
         cfg.categories = cfg.categories or B.QUICK["categories"]
@@ -211,7 +225,8 @@ def bench(
 
 @app.command()
 def chat(
-    mode: str = typer.Option("sd", help=f"Decoding mode: {', '.join(ENGINE_MODES)}."),
+    mode: Optional[str] = typer.Option(None, help=f"Decoding mode: {', '.join(ENGINE_MODES)} [default: tuned, else sd].",
+                                       show_default=False),
     system: Optional[str] = typer.Option(None, help="System message."),
     show_tiers: bool = typer.Option(False, help="Colour each token by origin: green draft, yellow slim, blue target."),
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Maximum tokens per answer."),
@@ -219,8 +234,9 @@ def chat(
     seed: Optional[int] = typer.Option(None),
     pair: Optional[str] = PAIR, target: Optional[str] = TARGET, draft: Optional[str] = DRAFT,
     slim: Optional[str] = SLIM, draft_layers: Optional[str] = DRAFT_LAYERS, slim_layers: Optional[str] = SLIM_LAYERS,
-    n_draft: int = N_DRAFT, p_min: float = P_MIN, n_min: int = N_MIN, tau_accept: float = TAU_ACCEPT,
-    tau_full: float = TAU_FULL, route: str = ROUTE, max_lag: int = MAX_LAG, hier_block: int = HIER_BLOCK,
+    n_draft: Optional[int] = N_DRAFT, p_min: Optional[float] = P_MIN, n_min: Optional[int] = N_MIN,
+    tau_accept: Optional[float] = TAU_ACCEPT, tau_full: Optional[float] = TAU_FULL, route: Optional[str] = ROUTE,
+    max_lag: Optional[int] = MAX_LAG, hier_block: Optional[int] = HIER_BLOCK, untuned: bool = UNTUNED,
     ctx: int = CTX, threads: Optional[int] = THREADS, gpu_layers: int = GPU_LAYERS,
     flash_attn: Optional[bool] = FLASH_ATTN, exact: bool = EXACT_OPT, kv_type: str = KV_TYPE,
     verbose: bool = VERBOSE,
@@ -229,7 +245,7 @@ def chat(
     from .chat import run
 
     _logging(verbose)
-    opts = ModelOptions.from_args(locals())
+    opts = ModelOptions.from_args(locals(), fallback_mode="sd")
     with opts.engine(progress=True) as engine:
         run(engine, system=system, max_tokens=max_tokens, show_tiers=show_tiers, temperature=temperature,
             seed=seed)
@@ -239,13 +255,15 @@ def chat(
 def serve(
     host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default)."),
     port: int = typer.Option(8080),
-    mode: str = typer.Option("sd", help=f"Default decoding mode: {', '.join(ENGINE_MODES)} (requests may set 'mode')."),
+    mode: Optional[str] = typer.Option(None, help=f"Default decoding mode: {', '.join(ENGINE_MODES)}; requests may "
+                                       "set 'mode' [default: tuned, else sd].", show_default=False),
     max_body: int = typer.Option(1 << 20, help="Largest request body in bytes."),
     max_tokens_limit: int = typer.Option(4096, help="Largest max_tokens a request may ask for."),
     pair: Optional[str] = PAIR, target: Optional[str] = TARGET, draft: Optional[str] = DRAFT,
     slim: Optional[str] = SLIM, draft_layers: Optional[str] = DRAFT_LAYERS, slim_layers: Optional[str] = SLIM_LAYERS,
-    n_draft: int = N_DRAFT, p_min: float = P_MIN, n_min: int = N_MIN, tau_accept: float = TAU_ACCEPT,
-    tau_full: float = TAU_FULL, route: str = ROUTE, max_lag: int = MAX_LAG, hier_block: int = HIER_BLOCK,
+    n_draft: Optional[int] = N_DRAFT, p_min: Optional[float] = P_MIN, n_min: Optional[int] = N_MIN,
+    tau_accept: Optional[float] = TAU_ACCEPT, tau_full: Optional[float] = TAU_FULL, route: Optional[str] = ROUTE,
+    max_lag: Optional[int] = MAX_LAG, hier_block: Optional[int] = HIER_BLOCK, untuned: bool = UNTUNED,
     ctx: int = CTX, threads: Optional[int] = THREADS, gpu_layers: int = GPU_LAYERS,
     flash_attn: Optional[bool] = FLASH_ATTN, exact: bool = EXACT_OPT, kv_type: str = KV_TYPE,
     verbose: bool = VERBOSE,
@@ -254,11 +272,47 @@ def serve(
     from .server import run
 
     _logging(verbose)
-    opts = ModelOptions.from_args(locals())
+    opts = ModelOptions.from_args(locals(), fallback_mode="sd")
     with opts.engine(progress=True) as engine:
-        engine.prepare(mode)
+        mode = engine.mode
         _err(f"via-edge serving {engine.model_name} ({mode}) on http://{host}:{port}/v1")
         run(engine, host, port, max_body=max_body, max_tokens_limit=max_tokens_limit)
+
+
+@app.command()
+def tune(
+    pair: Optional[str] = typer.Option(None, help="Catalog pair (default: qwen2.5-coder)."),
+    fidelity_floor: float = typer.Option(0.95, help="Lossy modes (via) must keep at least this predicted "
+                                         "token agreement with the target's greedy output."),
+    slim_budget: float = typer.Option(0.75, help="A slim may cost at most this share of the target's "
+                                      "verification call."),
+    search_evals: int = typer.Option(24, help="Slims the layer search may build and score."),
+    calib_tokens: int = typer.Option(48, help="Target tokens recorded per calibration prompt."),
+    heldout: int = typer.Option(4, help="Held-out prompts for the real check of the prediction."),
+    verify_tokens: int = typer.Option(48, help="Tokens per held-out prompt in the real check."),
+    repeats: int = typer.Option(2, help="Repeats of each cost measurement (medians kept)."),
+    ctx: int = CTX,
+    threads: Optional[int] = THREADS,
+    out: Optional[Path] = typer.Option(None, help="Also write report.md, tune.json and frontier.png here."),
+) -> None:
+    """Measure this machine, search the slim verifier, predict every configuration offline, check the
+    prediction with a real run, and store the choice generate, chat, serve and the API then use."""
+    from .tune.report import write_outputs
+    from .tune.tuner import TuneConfig, tune as run_tune
+
+    _logging(False)
+    for name, value, lo in (("--search-evals", search_evals, 1), ("--calib-tokens", calib_tokens, 2),
+                            ("--heldout", heldout, 1), ("--verify-tokens", verify_tokens, 2), ("--repeats", repeats, 1)):
+        if value < lo:
+            raise ViaEdgeError(f"{name} must be at least {lo}, got {value}")
+    cfg = TuneConfig(pair=pair, fidelity_floor=fidelity_floor, slim_budget=slim_budget, search_evals=search_evals,
+                     calib_tokens=calib_tokens, heldout=heldout, verify_tokens=verify_tokens, repeats=repeats,
+                     n_ctx=ctx, threads=threads)
+    result = run_tune(cfg)
+    paths = write_outputs(result, out)
+    typer.echo(result["choice"]["summary"])
+    for p in [result["paths"]["profile"], result["paths"]["choice"], *map(str, paths)]:
+        typer.echo(f"  wrote {p}")
 
 
 # ---- models ----------------------------------------------------------------------------------------

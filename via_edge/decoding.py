@@ -44,6 +44,8 @@ class SpecParams:
     route: str = "slim"       # via: routing score from the slim, the draft's own probability, or both
     max_lag: int = 32         # via: the target verifies at the latest after this many unseen tokens
     hier_block: int = 12      # hier: tokens the slim assembles before one target verification
+    p_min: float = 0.0        # drafter stops when its top probability falls below this
+    n_min: int = 0            # ... but only after this many tokens
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_draft <= 64:
@@ -60,6 +62,10 @@ class SpecParams:
             raise InvalidParameterError(f"route must be one of {', '.join(ROUTES)}, got {self.route!r}")
         if self.max_lag < 0:
             raise InvalidParameterError(f"max_lag must be >= 0 (0 = unbounded), got {self.max_lag}")
+        if not 0 <= self.p_min <= 1:
+            raise InvalidParameterError(f"p_min must be in [0, 1], got {self.p_min}")
+        if self.n_min < 0:
+            raise InvalidParameterError(f"n_min must be >= 0, got {self.n_min}")
         if not 2 <= self.hier_block <= 128:
             raise InvalidParameterError(f"hier_block must be in 2..128, got {self.hier_block}")
 
@@ -108,7 +114,7 @@ class Decoder:
                 self.target.n_ctx - len(ctx) - reserve)
         if k <= 0:
             return Draft()
-        draft = self.drafter.propose(ctx, k, sp, rng)
+        draft = self.drafter.propose(ctx, k, sp, rng, p_min=self.spec.p_min, n_min=self.spec.n_min)
         stats.draft_n += len(draft)
         return draft
 

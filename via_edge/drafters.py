@@ -2,7 +2,8 @@
 
 One small interface (as llama.cpp's `common/speculative.cpp`): `propose(context, k, ...)`.
 `Draft.conf[i]` is the drafter's own (untempered) probability of token i, the `draft` routing
-score; `p_min` looks at the probability of the top candidate before a token is added; `Draft.q[i]` is the full distribution token i was sampled from,
+score; `p_min` (passed per call from SpecParams) looks at the probability of the top candidate before
+a token is added; `Draft.q[i]` is the full distribution token i was sampled from,
 kept only when sampling, because the lossless acceptance rule needs it.
 """
 
@@ -31,8 +32,8 @@ class Draft:
 class Drafter(Protocol):
     name: str
 
-    def propose(self, context: Sequence[int], k: int, sp: SamplingParams,
-                rng: np.random.Generator) -> Draft: ...
+    def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator,
+                p_min: float = 0.0, n_min: int = 0) -> Draft: ...
 
 
 class ModelDrafter:
@@ -40,15 +41,11 @@ class ModelDrafter:
 
     name = "draft"
 
-    def __init__(self, model: LlamaModel, *, n_min: int = 0, p_min: float = 0.0) -> None:
-        if not 0 <= p_min <= 1:
-            raise InvalidParameterError(f"p_min must be in [0, 1], got {p_min}")
-        if n_min < 0:
-            raise InvalidParameterError(f"n_min must be >= 0, got {n_min}")
-        self.model, self.n_min, self.p_min = model, n_min, p_min
+    def __init__(self, model: LlamaModel) -> None:
+        self.model = model
 
-    def propose(self, context: Sequence[int], k: int, sp: SamplingParams,
-                rng: np.random.Generator) -> Draft:
+    def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator,
+                p_min: float = 0.0, n_min: int = 0) -> Draft:
         draft = Draft(q=None if sp.greedy else [])
         room = self.model.n_ctx - len(context)
         k = min(k, room)
@@ -57,7 +54,7 @@ class ModelDrafter:
         row = self.model.eval(context, 1)[0]
         for i in range(k):
             best, p_best = top_prob(row)
-            if i >= self.n_min and p_best < self.p_min:
+            if i >= n_min and p_best < p_min:
                 break
             if sp.greedy:
                 tok, p_tok = best, p_best
@@ -78,7 +75,7 @@ class PromptLookupDrafter:
     """Continues the latest earlier occurrence of the context's last n-gram (no model call).
 
     Tries n from `ngram_max` down to `ngram_min`; the proposal is deterministic, so its
-    distribution is a point mass (q = one-hot) and conf is 1.
+    distribution is a point mass (q = one-hot), conf is 1 and p_min/n_min do not apply.
     """
 
     name = "lookup"
@@ -88,8 +85,8 @@ class PromptLookupDrafter:
             raise InvalidParameterError("need 1 <= ngram_min <= ngram_max")
         self.n_vocab, self.ngram_max, self.ngram_min = n_vocab, ngram_max, ngram_min
 
-    def propose(self, context: Sequence[int], k: int, sp: SamplingParams,
-                rng: np.random.Generator) -> Draft:
+    def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator,
+                p_min: float = 0.0, n_min: int = 0) -> Draft:
         draft = Draft(q=None if sp.greedy else [])
         toks = list(context)
         n = len(toks)

@@ -18,11 +18,12 @@ from .decoding import MODES, Decoder, SpecParams
 from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, check_compatible
 from .errors import ContextOverflowError, InvalidParameterError
 from .llama import LlamaModel, LoadParams
-from .prompts import render_chat
+from .prompts import chat_tokens
 from .sampling import SamplingParams
 from .slim import build_f32, build_slim, is_prefix, slice_seq_state, slim_source, target_sha256
 from .stats import Stats
 from .text import StopMatcher, StreamDecoder
+from .tuned import TunedConfig, load_choice
 
 ENGINE_MODES = MODES + ("lookup",)  # lookup = sd with the prompt-lookup drafter
 
@@ -80,8 +81,7 @@ class Engine:
         use_extra_bufts: bool | None = None,
         kv_type: str = "f16",
         spec: SpecParams = SpecParams(),
-        n_min: int = 0,
-        p_min: float = 0.0,
+        mode_specs: Mapping[str, SpecParams] | None = None,
         lookup_ngram: int = 3,
         slim_kv: str = "import",
         f32: bool = False,
@@ -94,6 +94,7 @@ class Engine:
             raise InvalidParameterError("slim_kv must be 'import' or 'prefill'")
         self.mode = mode
         self.spec = spec
+        self.mode_specs = dict(mode_specs or {})  # per-mode knobs (a tuned configuration) over `spec`
         self.load = LoadParams(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
                                flash_attn=flash_attn, use_extra_bufts=use_extra_bufts, kv_type=kv_type)
         self._progress = progress
@@ -103,22 +104,45 @@ class Engine:
         self.model_name = str(target) if not Path(str(target)).suffix == ".gguf" else self.target_path.stem
         self._draft_spec, self._draft_layers = draft, draft_layers
         self._slim_spec, self._slim_layers = slim, slim_layers
-        self._n_min, self._p_min, self._lookup_ngram = n_min, p_min, lookup_ngram
+        self._lookup_ngram = lookup_ngram
         self._slim_kv = slim_kv
         self.models = _Models(self._load("target", self.target_path))
         self._drafters: dict[str, Drafter] = {}
         self.total = Stats()
         self.last_result: Result | None = None
+        self.tuned: TunedConfig | None = None  # set by from_pair when a tuned choice applied
         self.prepare(mode)
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
-    def from_pair(cls, name: str | None = None, **kwargs) -> "Engine":
-        """An engine for a catalog pair (default: the catalog's default pair)."""
+    def from_pair(cls, name: str | None = None, *, tuned: bool = True, overrides: Mapping | None = None,
+                  fallback_mode: str = "ar", **kwargs) -> "Engine":
+        """An engine for a catalog pair (default: the catalog's default pair).
+
+        When `via-edge tune` has tuned the pair on this machine (and `tuned` is true), its choice
+        supplies the mode, the slim layers and each mode's knobs. Keywords given here win;
+        `overrides` (SpecParams fields) change single knobs of every mode's tuned spec, while an
+        explicit `spec` replaces them all. Without a tuned choice the mode is `fallback_mode`.
+        """
         pair = catalog.pair(name)
+        choice = load_choice(pair["name"]) if tuned else None
+        over = dict(overrides or {})
+        if choice is not None:
+            kwargs.setdefault("mode", choice.mode)
+            if choice.slim_layers:
+                kwargs.setdefault("slim_layers", choice.slim_layers)
+            if "spec" not in kwargs:
+                mode = kwargs["mode"] if kwargs["mode"] in choice.modes else None
+                kwargs["spec"] = replace(choice.spec(mode), **over)
+                kwargs.setdefault("mode_specs", {m: replace(choice.spec(m), **over) for m in choice.modes})
+        elif over and "spec" not in kwargs:
+            kwargs["spec"] = SpecParams(**over)
+        kwargs.setdefault("mode", fallback_mode)
         kwargs.setdefault("draft_layers", pair.get("draft_layers"))
         kwargs.setdefault("slim_layers", pair.get("slim_layers"))
-        return cls(pair["target"], pair.get("draft"), **kwargs)
+        engine = cls(pair["target"], pair.get("draft"), **kwargs)
+        engine.tuned = choice
+        return engine
 
     def _model_path(self, spec: str | Path) -> Path:
         path = catalog.resolve(spec, pull_missing=self._pull)
@@ -163,7 +187,7 @@ class Engine:
             if kind == "lookup":
                 self._drafters[kind] = PromptLookupDrafter(self.models.target.n_vocab, self._lookup_ngram)
             else:
-                self._drafters[kind] = ModelDrafter(self.models.draft, n_min=self._n_min, p_min=self._p_min)
+                self._drafters[kind] = ModelDrafter(self.models.draft)
         return self._drafters[kind]
 
     # ---- lifetime -------------------------------------------------------------------------------
@@ -190,12 +214,7 @@ class Engine:
         return self.models.target
 
     def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        t = self.target
-        bos = t.token_bytes(t.bos, special=True).decode("utf-8", "replace") if t.bos >= 0 else ""
-        eos = t.token_bytes(t.eos, special=True).decode("utf-8", "replace") if t.eos >= 0 else ""
-        text = render_chat(t.chat_template, messages, bos_token=bos, eos_token=eos)
-        add_bos = t.add_bos and not (bos and text.startswith(bos))
-        return t.tokenize(text, add_special=add_bos, parse_special=True)
+        return chat_tokens(self.target, messages)
 
     def tokens_for(self, prompt: str | Sequence[int], chat_template: bool) -> list[int]:
         if not isinstance(prompt, str):
@@ -267,7 +286,8 @@ class Engine:
         if len(tokens) >= self.target.n_ctx:
             raise ContextOverflowError(f"the prompt has {len(tokens)} tokens but the context window holds "
                                        f"{self.target.n_ctx}; shorten it or raise n_ctx")
-        return self._run(tokens, mode, sp, max_tokens, stop, spec or self.spec, should_stop)
+        spec = spec or self.mode_specs.get(mode) or self.spec
+        return self._run(tokens, mode, sp, max_tokens, stop, spec, should_stop)
 
     def _run(self, prompt: list[int], mode: str, sp: SamplingParams, max_tokens: int,
              stop: Sequence[str], spec: SpecParams, should_stop: Callable[[], bool] | None) -> Iterator[Piece]:

@@ -7,6 +7,7 @@ here with one clear message, before llama.cpp gets a chance to print its own.
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,14 +41,24 @@ def field_value(reader, key: str):
 
 
 def open_reader(path: str | os.PathLike):
-    """A GGUFReader on a checked file: exists, is a GGUF, and is not truncated."""
-    from gguf import GGUFReader
+    """A GGUFReader on a checked file: exists, is a GGUF, and is not truncated.
 
+    Readers are kept per (file, size, mtime): parsing a 150k-token vocabulary takes gguf-py
+    seconds, and the slim search derives many files from one target.
+    """
     path = Path(path)
     if not path.exists():
         raise ModelFileError(f"model file not found: {path}")
     if not path.is_file():
         raise ModelFileError(f"model path is not a file: {path}")
+    st = path.stat()
+    return _open_reader(path.resolve(), st.st_size, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=4)
+def _open_reader(path: Path, size: int, mtime_ns: int):
+    from gguf import GGUFReader
+
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:

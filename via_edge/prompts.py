@@ -46,3 +46,12 @@ def render_chat(
         bos_token=bos_token,
         eos_token=eos_token,
     )
+
+
+def chat_tokens(model, messages: Sequence[Message]) -> list[int]:
+    """`messages` through `model`'s chat template, tokenized as the model expects (BOS once)."""
+    bos = model.token_bytes(model.bos, special=True).decode("utf-8", "replace") if model.bos >= 0 else ""
+    eos = model.token_bytes(model.eos, special=True).decode("utf-8", "replace") if model.eos >= 0 else ""
+    text = render_chat(model.chat_template, messages, bos_token=bos, eos_token=eos)
+    add_bos = model.add_bos and not (bos and text.startswith(bos))
+    return model.tokenize(text, add_special=add_bos, parse_special=True)

@@ -38,7 +38,7 @@ def summarize(results: dict) -> dict:
                 "prefix_share_mean": sum(f["prefix_share"] for f in fid) / len(fid) if fid else float("nan"),
                 "agreement_mean": sum(f["agreement"] for f in fid) / len(fid) if fid else float("nan"),
             },
-            "lossless": method in LOSSLESS,
+            "lossless": method.split(":")[0] in LOSSLESS,  # "sd:tuned" is sd with tuned knobs
         }
         stats = [r["stats"] for r in mine if "stats" in r]
         if stats:
@@ -67,6 +67,20 @@ def _f(x: float, nd: int = 2) -> str:
     return "n/a" if x != x else f"{x:.{nd}f}"
 
 
+def _spec_lines(params: dict) -> list[str]:
+    """The knobs each mode ran with (one line per mode: tuned runs differ per mode)."""
+    tuned = params.get("tuned")
+    head = "- speculation: command-line knobs" + (
+        f"; `<mode>:tuned` = the knobs and slim ({tuned['slim_layers']}) `via-edge tune` chose per mode on this "
+        f"machine ({tuned['summary']})" if tuned else "")
+    spec = params["spec"]
+    if "n_draft" in spec:  # results written before per-mode knobs
+        return [f"- speculation: {spec}"]
+    skip = {"ar": set(spec.get("ar", {}))}
+    return [head] + [f"  - {mode}: " + ", ".join(f"{k} {v}" for k, v in knobs.items() if k not in skip.get(mode, ()))
+                     for mode, knobs in spec.items() if mode != "ar"]
+
+
 def render_markdown(results: dict) -> str:
     meta, summary = results["meta"], results["summary"]
     m = meta["machine"]
@@ -82,7 +96,7 @@ def render_markdown(results: dict) -> str:
         f"max {meta['params']['max_tokens']} new tokens, greedy, chat template; kernels: "
         f"{'exact (no weight repacking)' if meta['params']['exact_kernels'] else 'fast (llama.cpp defaults)'}"
         f"{', F32 copies of the weights, F32 KV, no flash attention' if meta['params'].get('f32_weights') else ''}",
-        f"- speculation: {meta['params']['spec']}, p_min {meta['params']['p_min']}",
+        *_spec_lines(meta["params"]),
         "",
         "## Summary (speedup = geometric mean over prompts of tok/s ÷ `ar` tok/s on the same prompt)",
         "",

@@ -23,6 +23,7 @@ from ..engine import ENGINE_MODES, Engine
 from ..errors import InvalidParameterError
 from ..llama import EXACT, EXACT_F32, default_threads
 from ..slim import target_sha256
+from ..tuned import load_choice
 from .peers import PEERS, Peer
 from .suite import load_prompts
 
@@ -44,7 +45,7 @@ class BenchConfig:
     n_ctx: int = 4096
     threads: int | None = None
     spec: SpecParams = field(default_factory=SpecParams)
-    p_min: float = 0.0
+    tuned: bool = False  # also every mode with the pair's tuned knobs and slim, as "<mode>:tuned"
     f32: bool = False
     quick: bool = False
     command: str = ""
@@ -121,23 +122,31 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
     cfg.validate()
     prompts = load_prompts(cfg.suite, cfg.categories, cfg.per_category)
     threads = cfg.threads or default_threads()
-    engine = Engine.from_pair(cfg.pair, mode="ar", n_ctx=cfg.n_ctx, n_threads=threads, spec=cfg.spec,
-                              p_min=cfg.p_min, pull_missing=True, f32=cfg.f32,
-                              **((EXACT_F32 if cfg.f32 else EXACT) if cfg.exact else {}))
+    kernels = (EXACT_F32 if cfg.f32 else EXACT) if cfg.exact else {}
+    common = dict(mode="ar", n_ctx=cfg.n_ctx, n_threads=threads, pull_missing=True, f32=cfg.f32, **kernels)
+    if cfg.tuned and load_choice(engine_pair_name(cfg.pair)) is None:
+        raise InvalidParameterError(f"--tuned: pair {engine_pair_name(cfg.pair)} was not tuned on this machine; "
+                                    "run `via-edge tune` first")
+    tuned = Engine.from_pair(cfg.pair, **common) if cfg.tuned else None
+    engine = Engine.from_pair(cfg.pair, tuned=False, spec=cfg.spec, **common)
+    engines = {"": engine, "tuned": tuned}
     peers: list[Peer] = []
     try:
         for mode in cfg.modes:
-            engine.prepare(mode)
+            for e in filter(None, engines.values()):
+                e.prepare(mode)
         if cfg.peers:
             peers = [Peer(name, engine.target_path, cfg.n_ctx, threads) for name in PEERS]
-        methods = list(cfg.modes) + [p.name for p in peers]
+        methods = list(cfg.modes) + [f"{m}:tuned" for m in cfg.modes if tuned and m != "ar"] + [p.name for p in peers]
         by_name = {p.name: p for p in peers}
 
         def run_one(method: str, tokens: list[int]) -> dict:
             if method in by_name:
                 return by_name[method].run(tokens, cfg.max_tokens, engine.target.is_eog)
-            engine.reset()
-            res = engine.generate(tokens, mode=method, max_tokens=cfg.max_tokens)
+            mode, _, variant = method.partition(":")
+            e = engines[variant]
+            e.reset()
+            res = e.generate(tokens, mode=mode, max_tokens=cfg.max_tokens)
             s = res.stats
             return {"tokens": res.tokens, "prefill_s": s.prefill_seconds, "gen_s": s.generate_seconds,
                     "tok_s": s.tokens_per_second, "stats": s.to_dict(), "tiers": res.tiers,
@@ -162,7 +171,10 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
             "command": cfg.command, "machine": {**machine(), "threads_used": threads},
             "versions": versions(), "models": model_facts(engine),
             "params": {**{k: v for k, v in asdict(cfg).items() if k not in ("spec", "command")},
-                       "spec": asdict(cfg.spec), "exact_kernels": cfg.exact, "f32_weights": cfg.f32,
+                       "spec": {m: asdict(engine.spec) for m in cfg.modes} | (
+                           {f"{m}:tuned": asdict(tuned.mode_specs.get(m, tuned.spec)) for m in cfg.modes if m != "ar"}
+                           if tuned else {}),
+                       "tuned": tuned.tuned.to_dict() if tuned else None, "exact_kernels": cfg.exact, "f32_weights": cfg.f32,
                        "pair": engine_pair_name(cfg.pair)},
             "methods": methods,
             "prompts": [{"id": p.id, "category": p.category, "text": p.text[:200]} for p in prompts],
@@ -171,7 +183,8 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
     finally:
         for p in peers:
             p.close()
-        engine.close()
+        for e in filter(None, engines.values()):
+            e.close()
 
 
 def engine_pair_name(pair: str | None) -> str:

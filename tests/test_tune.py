@@ -1,0 +1,270 @@
+"""via-edge tune: the replay is the decoding loop, the search finds a planted slim, the never-slower
+rule holds, and a tuned choice becomes the default of the engine and the command line."""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from conftest import EXACT, make_tiny_gguf
+from via_edge import Engine, SpecParams
+from via_edge.drafters import PromptLookupDrafter
+from via_edge.llama import LlamaModel, LoadParams
+from via_edge.slim import build_slim, format_layers
+from via_edge.tune.choose import best_per_mode, choose, frontier, grid, predict
+from via_edge.tune.profile import CostProfile, measure
+from via_edge.tune.record import SlimTrace, Trace, capture_names, record, slim_traces
+from via_edge.tune.replay import Replay, predicted_agreement
+from via_edge.tune.search import Search
+
+PROMPTS = ["hello world", "the cat is here", "some more words in here", "xyz 123 abc"]
+ONE_PER_CALL = lambda model, n, ctx: 1.0  # noqa: E731  (seconds == calls)
+
+CASES = [
+    ("ar", SpecParams()),
+    ("sd", SpecParams(n_draft=1)),
+    ("sd", SpecParams(n_draft=4)),
+    ("sd", SpecParams(n_draft=8)),
+    ("lookup", SpecParams(n_draft=3)),
+    ("hier", SpecParams(n_draft=3, tau_full=0.3, hier_block=8)),
+    ("hier", SpecParams(n_draft=2, tau_full=0.6, hier_block=4)),
+    ("via", SpecParams(n_draft=4)),
+    ("via", SpecParams(n_draft=3, tau_accept=0.99, tau_full=0.05)),
+    ("via", SpecParams(n_draft=6, tau_accept=0.6, tau_full=0.2, max_lag=4)),
+]
+
+
+@pytest.fixture(scope="module")
+def recorded(tiny_dir):
+    """Two tiny targets with a 2-block draft and a 3-block slim, recorded along their greedy output."""
+    out = []
+    for seed in (1, 7):
+        engine = Engine(make_tiny_gguf(tiny_dir / f"tune{seed}.gguf", blocks=4, seed=seed), draft_layers="0-1",
+                        slim_layers="0-2", **EXACT)
+        for mode in ("sd", "via"):
+            engine.prepare(mode)
+        toks = [engine.tokens_for(p, False) for p in PROMPTS]
+        traces = record(engine.target, engine.models.draft, toks, 40)
+        sts, _ = slim_traces(engine.models.slim, traces)
+        eog = [t for t in range(engine.target.n_vocab) if engine.target.is_eog(t)]
+        out.append((engine, toks, traces, sts, eog))
+    yield out
+    for engine, *_ in out:
+        engine.close()
+
+
+def test_replay_reproduces_real_greedy_runs(recorded):
+    """Tokens, origins, tiers and rounds as the real loop commits them (via: up to and including
+    its first token that differs from the target's); model calls where the records determine them."""
+    via_tiers, via_errors = set(), 0
+    for engine, toks, traces, sts, eog in recorded:
+        lookup = PromptLookupDrafter(engine.target.n_vocab)
+        for mode, spec in CASES:
+            for tok, tr, st in zip(toks, traces, sts):
+                engine.reset()
+                real = engine.generate(tok, mode=mode, max_tokens=len(tr.target), spec=spec)
+                rp = Replay(tr, st, mode, spec, ONE_PER_CALL, eog, lookup=lookup if mode == "lookup" else None).run()
+                n = rp.first_error + 1 if rp.first_error >= 0 else len(rp.tokens)
+                where = f"{mode} {spec} prompt {tok[:4]}"
+                assert real.tokens[:n] == rp.tokens[:n], where
+                assert real.origins[:n] == rp.origins[:n], where
+                assert real.tiers[:n] == rp.tiers[:n], where
+                if mode != "via":
+                    assert rp.first_error == -1 and real.tokens == list(tr.target), where
+                s = real.stats
+                if rp.first_error < 0:
+                    assert rp.rounds == s.rounds, where
+                if mode in ("ar", "sd", "lookup") or (mode == "via" and rp.first_error < 0):
+                    prefill = int(len(tok) > 1)  # Engine._prefill's one call; a prefix slim imports KV
+                    assert rp.draft_n == s.draft_n, where
+                    assert rp.calls["target"] == s.target.calls - prefill, where
+                    if mode in ("sd", "via"):
+                        assert rp.calls["draft"] == s.draft.calls - prefill, where
+                    if mode == "via":
+                        assert rp.calls["slim"] == s.slim.calls, where
+                if mode == "via":
+                    via_tiers |= set(real.tiers[:n])
+                    via_errors += rp.first_error >= 0
+    assert via_tiers == {"A", "B", "C"}  # the comparison covered every tier
+    assert via_errors > 0                # and the first-error path
+
+
+def test_replay_prices_what_it_decodes(recorded):
+    """Seconds are the sum of the cost of each call's batch: ar pays one token per call."""
+    engine, toks, traces, sts, eog = recorded[0]
+    seen = []
+    cost = lambda m, n, c: seen.append((m, n, c)) or 0.5 * n  # noqa: E731
+    rp = Replay(traces[0], None, "ar", SpecParams(), cost, eog).run()
+    assert all(m == "target" and n == 1 for m, n, _ in seen)
+    assert [c for *_, c in seen] == list(range(len(toks[0]) - 1, len(toks[0]) - 1 + len(traces[0].target)))
+    assert rp.seconds == pytest.approx(0.5 * len(traces[0].target))
+
+
+def test_search_finds_planted_layers(tiny_dir):
+    """Blocks 1 and 4 carry the model, the others barely touch it: the best 2-block slim is 1,4,
+    and it is neither a prefix nor a first-and-last window, so the search must find it."""
+    scales = [0.02, 1.5, 0.02, 0.02, 1.5, 0.02]
+    path = make_tiny_gguf(tiny_dir / "planted.gguf", blocks=6, seed=5, block_scales=scales)
+    load = LoadParams(**EXACT)
+    with LlamaModel(path, load) as target:
+        traces = record(target, None, [target.tokenize(p, add_special=False) for p in PROMPTS], 24)
+    calls = []
+
+    def evaluate(layers, want_influence):
+        calls.append(layers)
+        out = build_slim(path, format_layers(layers), tiny_dir / f"planted-{format_layers(layers)}.gguf")
+        with LlamaModel(out, replace(load, capture=capture_names(len(layers)) if want_influence else ())) as slim:
+            sts, infl = slim_traces(slim, traces, hidden=want_influence)
+        agree = float(np.mean(np.concatenate([s.top == t.target for s, t in zip(sts, traces)])))
+        return agree, {}, infl
+
+    ranked = Search(6, 2, evaluate, max_evals=30).run()
+    assert ranked[0].layers == (1, 4)
+    assert ranked[0].agreement >= 0.9 > max(s.agreement for s in ranked[1:])
+    assert len(calls) == len(set(calls)) <= 30  # memoised, within the evaluation budget
+    assert all(len(s.layers) <= 2 for s in ranked)
+
+
+def synthetic_traces(draft_agree: float, n: int = 4, length: int = 48):
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        target = rng.integers(10, 1000, length)
+        draft = np.where(rng.random(length) < draft_agree, target, target + 1)
+        out.append(Trace(list(range(1, 20)), target, draft, np.full(length, 0.8)))
+    return out
+
+
+def linear_cost(draft_per_call: float):
+    """A target call costs 1 + 0.1 per extra token; a slim of K blocks K/4 of that (4-block target)."""
+    def cost(model, n, ctx):
+        if model == "draft":
+            return draft_per_call
+        scale = int(model[5:]) / 4 if model.startswith("slim-") else 1.0
+        return scale * (1.0 + 0.1 * (n - 1))
+    return cost
+
+
+@pytest.mark.parametrize("draft_cost,expect_ar", [(2.0, True), (0.05, False)])
+def test_never_slower_rule(draft_cost, expect_ar):
+    """With an expensive draft nothing speculative is predicted faster, and the choice is ar; the same
+    traces with a cheap draft do pay, so the rule is not simply always choosing ar."""
+    traces = synthetic_traces(0.9)
+    slims = {"0-1": [SlimTrace(t.target.copy(), np.where(t.draft == t.target, 1.0, 0.1)) for t in traces]}
+    cands = predict(traces, slims, {"0-1": "slim-2"}, linear_cost(draft_cost), eog=[], out_length=128,
+                    n_vocab=1000, configs=grid(["0-1"]))
+    best = best_per_mode(cands, 0.95)
+    chosen = choose(best)
+    assert (chosen.mode == "ar") == expect_ar
+    if expect_ar:
+        assert all(c.speedup < 1.0 for m, c in best.items() if m != "ar")
+    else:
+        assert chosen.speedup > 1.3 and chosen.fidelity >= 0.95
+    front = frontier(cands)
+    assert all(a.speedup < b.speedup and a.fidelity >= b.fidelity for a, b in zip(front, front[1:]))
+
+
+def test_predicted_agreement():
+    assert predicted_agreement(0.0, 128) == 1.0
+    assert predicted_agreement(0.5, 2) == pytest.approx((0.5 + 0.25) / 2)
+    rng = np.random.default_rng(1)  # against simulation: share of 64 tokens before the first error
+    sims = [min(int(rng.geometric(0.02)) - 1, 64) / 64 for _ in range(20000)]
+    assert predicted_agreement(0.02, 64) == pytest.approx(np.mean(sims), abs=0.01)
+
+
+def test_profile_measures_and_interpolates(tiny_target, tiny_dir):
+    load = LoadParams(**EXACT)
+    paths = {"slim-1": build_slim(tiny_target, "0"), "slim-2": build_slim(tiny_target, "0-1")}
+    with LlamaModel(tiny_target, load) as target:
+        models = {"target": target, **{k: LlamaModel(p, load) for k, p in paths.items()}}
+        fill = target.tokenize("the quick brown fox jumps over the lazy dog " * 8, add_special=False)
+        prof = measure(models, fill, batches=(1, 2, 4), contexts=(8, 32), repeats=2)
+        for k in paths:
+            models[k].close()
+    assert set(prof.table) == {"target", "slim-1", "slim-2"} and prof.blocks["slim-2"] == 2
+    assert all(len(rows) == 2 and all(len(r) == 3 and min(r) > 0 for r in rows) for rows in prof.table.values())
+    assert prof.cost("slim-2", 2, 8) == prof.table["slim-2"][0][1]
+    assert prof.cost("slim-3", 2, 8) == pytest.approx((prof.table["slim-2"][0][1] + prof.table["target"][0][1]) / 2)
+    again = CostProfile.from_dict(json.loads(json.dumps(prof.to_dict())))
+    assert again.cost("target", 3, 20) == pytest.approx(prof.cost("target", 3, 20))
+    # a profile linear in blocks interpolates exactly
+    lin = CostProfile([1, 2], [8, 16], {f"slim-{k}": [[k * 1.0, k * 2.0]] * 2 for k in (1, 2)} |
+                      {"target": [[4.0, 8.0]] * 2}, {"slim-1": 1, "slim-2": 2, "target": 4})
+    assert lin.fit_error() == pytest.approx({"median": 0.0, "max": 0.0})
+    assert lin.cost("slim-3", 2, 12) == pytest.approx(6.0)
+
+
+# ---- the tuned choice as everyone's default -------------------------------------------------------
+def cli(*args, env=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", "via_edge", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+@pytest.fixture()
+def model_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("VIA_EDGE_MODEL_DIR", str(tmp_path))
+    return tmp_path
+
+
+def write_choice(mode="sd", **knobs):
+    from via_edge.tuned import TunedConfig, tuned_path, write_json
+
+    modes = {"ar": {}, "sd": {"n_draft": 3, **knobs}, "via": {"n_draft": 2, "tau_accept": 0.7, "tau_full": 0.5}}
+    return write_json(tuned_path("smollm2", "choice"), TunedConfig("smollm2", mode, "0-21", modes, "test").to_dict())
+
+
+def test_engine_and_cli_use_the_tuned_choice(model_dir, smollm2):
+    write_choice()
+    with Engine.from_pair("smollm2", n_ctx=512) as engine:
+        assert engine.mode == "sd" and engine.spec.n_draft == 3 and engine.mode_specs["via"].tau_accept == 0.7
+        res = engine.generate("Name a colour.", max_tokens=12)
+        assert res.mode == "sd" and res.stats.draft_n <= 3 * res.stats.rounds
+    with Engine.from_pair("smollm2", n_ctx=512, overrides={"n_draft": 2}) as engine:
+        assert engine.spec.n_draft == 2 and engine.mode_specs["via"].n_draft == 2
+    with Engine.from_pair("smollm2", n_ctx=512, tuned=False) as engine:
+        assert engine.mode == "ar" and engine.spec == SpecParams()
+
+    env = {**os.environ}
+    out = cli("generate", "Name a colour.", "--pair", "smollm2", "-n", 8, "--json", "--ctx", 512, env=env)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["mode"] == "sd"
+    out = cli("generate", "Name a colour.", "--pair", "smollm2", "-n", 8, "--json", "--ctx", 512, "--untuned", env=env)
+    assert json.loads(out.stdout)["mode"] == "ar"
+    out = cli("generate", "Name a colour.", "--pair", "smollm2", "-n", 8, "--json", "--ctx", 512, "--mode", "lookup",
+              env=env)
+    assert json.loads(out.stdout)["mode"] == "lookup"
+
+
+def test_corrupt_choice_is_one_clear_error(model_dir, smollm2):
+    path = write_choice()
+    path.write_text("{not json")
+    out = cli("generate", "hi", "--pair", "smollm2", "-n", 4, "--ctx", 512)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr and str(path) in out.stderr and "via-edge tune" in out.stderr
+
+
+def test_bench_tuned_needs_a_tuned_pair(model_dir, smollm2):
+    out = cli("bench", "--pair", "smollm2", "--tuned", "--no-peers", "--categories", "coding", "-n", 4,
+              "--out", model_dir / "b")
+    assert out.returncode == 2 and "via-edge tune" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_tune_command_end_to_end(model_dir, smollm2):
+    """The real command on SmolLM2 at its smallest settings: profile, choice and report written."""
+    out = cli("tune", "--pair", "smollm2", "--repeats", 1, "--search-evals", 3, "--calib-tokens", 12, "--heldout", 1,
+              "--verify-tokens", 12, "--ctx", 1536, "--out", model_dir / "report")
+    assert out.returncode == 0, out.stderr[-3000:]
+    choice = json.loads(next((model_dir / "tuned").glob("smollm2--*.choice.json")).read_text())
+    profile = json.loads(next((model_dir / "tuned").glob("smollm2--*.profile.json")).read_text())
+    assert choice["mode"] in ("ar", "sd", "lookup", "hier", "via") and choice["summary"] in out.stdout
+    assert set(profile["table"]) >= {"target", "draft"} and len(profile["batches"]) == 16
+    result = json.loads((model_dir / "report" / "tune.json").read_text())
+    assert result["verify"]["ar"]["measured_speedup"] == pytest.approx(1.0)
+    assert {c["mode"] for c in result["candidates"]} == {"ar", "sd", "lookup", "hier", "via"}
+    assert (model_dir / "report" / "report.md").read_text().startswith("# via-edge tune: smollm2")
+    bad = cli("tune", "--pair", "smollm2", "--slim-budget", "1.5")
+    assert bad.returncode == 2 and "slim-budget" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,0 +1,1 @@
+"""`via-edge tune`: cost profile, slim-layer search, offline replay and the tuned choice."""

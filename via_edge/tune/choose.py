@@ -1,0 +1,121 @@
+"""From replays to a choice: the grid of configurations, their predicted speed and fidelity, the
+frontier, and the never-slower rule.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable, Sequence
+
+from ..decoding import SpecParams
+from ..drafters import PromptLookupDrafter
+from .record import SlimTrace, Trace
+from .replay import Replay, geomean, predicted_agreement
+
+LOSSLESS = ("sd", "lookup", "hier")
+
+
+@dataclass
+class Candidate:
+    """One configuration and what the replay predicts for it on the calibration traces."""
+
+    mode: str
+    spec: SpecParams
+    slim: str | None = None        # slim layers, for via and hier
+    speedup: float = 1.0           # geometric mean over traces of predicted ar time / mode time
+    tok_s: float = 0.0             # predicted tokens per second over all traces
+    error_rate: float = 0.0        # committed tokens differing from the target's (via only)
+    fidelity: float = 1.0          # predicted position-wise agreement at the output length
+    tiers: dict = field(default_factory=dict)
+
+    @property
+    def lossless(self) -> bool:
+        return self.mode in ("ar",) + LOSSLESS
+
+    def label(self) -> str:
+        s, d = self.spec, SpecParams()
+        knobs = {"n_draft": s.n_draft, "p_min": s.p_min}
+        if self.mode == "via":
+            knobs.update(tau_accept=s.tau_accept, tau_full=s.tau_full)
+        if self.mode == "hier":
+            knobs.update(tau_full=s.tau_full, hier_block=s.hier_block)
+        if self.mode == "lookup":
+            knobs = {"n_draft": s.n_draft}
+        if self.mode == "ar":
+            knobs = {}
+        parts = [f"{k} {v}" for k, v in knobs.items() if v != getattr(d, k) or k == "n_draft"]
+        return " ".join([self.mode] + ([f"slim {self.slim}"] if self.slim else []) + parts)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["label"] = self.label()
+        return out
+
+
+def grid(slims: Sequence[str]) -> Iterable[tuple[str, SpecParams, str | None]]:
+    """Every configuration the tuner predicts (about 800; a replay of all takes seconds)."""
+    yield "ar", SpecParams(), None
+    for n in (1, 2, 3, 4, 6, 8):
+        yield "lookup", SpecParams(n_draft=n), None
+        for p_min in (0.0, 0.5, 0.7, 0.9):
+            yield "sd", SpecParams(n_draft=n, p_min=p_min), None
+    for slim in slims:
+        for n, tf, hb, p_min in itertools.product((2, 4, 6), (0.1, 0.3, 0.5, 0.7), (4, 8, 12), (0.0, 0.7)):
+            yield "hier", SpecParams(n_draft=n, tau_full=tf, hier_block=hb, p_min=p_min), slim
+        for n, ta, tf, p_min in itertools.product((2, 3, 4, 6), (0.5, 0.7, 0.9, 0.97), (0.1, 0.3, 0.5, 0.7),
+                                                  (0.0, 0.7)):
+            if tf <= ta:
+                yield "via", SpecParams(n_draft=n, tau_accept=ta, tau_full=tf, p_min=p_min), slim
+
+
+def predict(traces: Sequence[Trace], slim_traces: dict[str, list[SlimTrace]], slim_model: dict[str, str],
+            cost: Callable[[str, int, int], float], eog: Sequence[int], out_length: int,
+            n_vocab: int, configs: Iterable[tuple[str, SpecParams, str | None]]) -> list[Candidate]:
+    """Replay every configuration on every trace, as ratios to `ar` on the same trace."""
+    ar_seconds = [Replay(t, None, "ar", SpecParams(), cost, eog).run().seconds for t in traces]
+    lookup = PromptLookupDrafter(n_vocab)
+    out = []
+    for mode, spec, slim in configs:
+        runs = [Replay(t, slim_traces[slim][i] if slim else None, mode, spec, cost, eog,
+                       slim_model=slim_model.get(slim, "slim"), lookup=lookup if mode == "lookup" else None).run()
+                for i, t in enumerate(traces)]
+        tokens = sum(len(r.tokens) for r in runs)
+        seconds = sum(r.seconds for r in runs)
+        errors = sum(r.errors for r in runs)
+        err = errors / tokens if tokens else 0.0
+        tiers = {k: sum(r.tiers.count(k) for r in runs) / tokens for k in "ABC"} if tokens else {}
+        out.append(Candidate(mode, spec, slim, geomean([a / r.seconds for a, r in zip(ar_seconds, runs)]),
+                             tokens / seconds if seconds else 0.0, err, predicted_agreement(err, out_length),
+                             tiers))
+    return out
+
+
+def frontier(cands: Sequence[Candidate]) -> list[Candidate]:
+    """The configurations no other beats on both predicted speed and fidelity."""
+    best, out = -1.0, []
+    for c in sorted(cands, key=lambda c: (-c.fidelity, -c.speedup)):
+        if c.speedup > best:
+            out.append(c)
+            best = c.speedup
+    return out
+
+
+def best_per_mode(cands: Sequence[Candidate], floor: float) -> dict[str, Candidate]:
+    """Per mode, the fastest configuration meeting the fidelity floor (lossless modes always do)."""
+    out: dict[str, Candidate] = {}
+    for c in cands:
+        if not c.lossless and c.fidelity < floor:
+            continue
+        if c.mode not in out or c.speedup > out[c.mode].speedup:
+            out[c.mode] = c
+    return out
+
+
+def choose(best: dict[str, Candidate], margin: float = 0.03) -> Candidate:
+    """The never-slower rule: a speculative mode only when predicted at least `margin` faster than ar."""
+    spec = [c for m, c in best.items() if m != "ar"]
+    top = max(spec, key=lambda c: c.speedup, default=None)
+    if top is None or top.speedup < 1.0 + margin:
+        return best["ar"]
+    return top

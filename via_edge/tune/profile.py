@@ -1,0 +1,122 @@
+"""The cost profile: how long one `llama_decode` of n tokens at context length c takes on this machine.
+
+Measured for the draft, the target and slims of a few sizes, interleaved (every model at every
+point before the next repeat, in rotated order) so that noise on this shared machine hits them
+alike; medians are kept. A slim's cost depends on how many blocks it keeps, not which (the blocks
+of one model have the same shapes), so slims of any size are priced by interpolating, per
+(n, c), between the measured block counts and the target; `fit_error` says how well that holds.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from ..llama import LlamaModel
+
+BATCHES = tuple(range(1, 17))
+CONTEXTS = (64, 384, 1024)
+
+
+@dataclass
+class CostProfile:
+    """Median seconds per decode call: table[model][ci][bi] for contexts[ci] and batches[bi]."""
+
+    batches: list[int]
+    contexts: list[int]
+    table: dict[str, list[list[float]]]
+    blocks: dict[str, int]           # blocks of each measured model ("target", "draft", "slim-K")
+    meta: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "CostProfile":
+        return cls(list(data["batches"]), list(data["contexts"]), dict(data["table"]), dict(data["blocks"]),
+                   dict(data.get("meta", {})))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def cost(self, model: str, n: int, ctx: int) -> float:
+        """Seconds for one call of `model` ("target", "draft" or "slim-K" for a K-block slim)."""
+        if model.startswith("slim-") and model not in self.table:
+            return self.slim_cost(int(model[5:]), n, ctx)
+        return _bilinear(np.asarray(self.table[model]), self.contexts, self.batches, ctx, n)
+
+    def slim_cost(self, blocks: int, n: int, ctx: int) -> float:
+        """A K-block slim, interpolated between measured slims and the target by block count."""
+        points = sorted((b, m) for m, b in self.blocks.items() if m.startswith("slim-") or m == "target")
+        xs = [b for b, _ in points]
+        ys = [self.cost(m, n, ctx) for _, m in points]
+        return float(_interp_extrap(blocks, xs, ys))
+
+    def fit_error(self) -> dict:
+        """Relative error (median and worst point) of predicting each measured slim from the other
+        measured models by block count: how far the per-block interpolation can be trusted."""
+        slims = [m for m in self.table if m.startswith("slim-")]
+        if not slims:
+            return {"median": float("nan"), "max": float("nan")}
+        errors = []
+        for m in slims:
+            rest = CostProfile(self.batches, self.contexts, {k: v for k, v in self.table.items() if k != m},
+                               {k: v for k, v in self.blocks.items() if k != m})
+            for ci, c in enumerate(self.contexts):
+                for bi, n in enumerate(self.batches):
+                    actual = self.table[m][ci][bi]
+                    errors.append(abs(rest.slim_cost(self.blocks[m], n, c) - actual) / actual)
+        return {"median": statistics.median(errors), "max": max(errors)}
+
+
+def _interp_extrap(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Piecewise-linear, extended linearly beyond both ends (costs keep growing with size)."""
+    if len(xs) == 1:
+        return ys[0]
+    if x <= xs[0]:
+        i = 0
+    elif x >= xs[-1]:
+        i = len(xs) - 2
+    else:
+        i = int(np.searchsorted(xs, x)) - 1
+    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def _bilinear(table: np.ndarray, contexts: Sequence[int], batches: Sequence[int], ctx: int, n: int) -> float:
+    by_ctx = [_interp_extrap(n, batches, row) for row in table]
+    return _interp_extrap(ctx, contexts, by_ctx)
+
+
+def measure(models: Mapping[str, LlamaModel], fill: Sequence[int], *, batches: Sequence[int] = BATCHES,
+            contexts: Sequence[int] = CONTEXTS, repeats: int = 3,
+            progress: Callable[[int, int], None] | None = None) -> CostProfile:
+    """Time every model at every (context, batch) point, interleaved and repeated; keep medians.
+
+    `fill` supplies real tokens for the context (at least max(contexts) + max(batches)). Each
+    point rolls the cache back to c tokens and decodes n more, asking for all n rows as a
+    verification does.
+    """
+    top = max(contexts) + max(batches)
+    if len(fill) < top:
+        fill = (list(fill) * (top // max(1, len(fill)) + 1))[:top]
+    names = list(models)
+    samples: dict[tuple[str, int, int], list[float]] = {}
+    total, done = repeats * len(contexts) * len(batches) * len(names), 0
+    for rep in range(repeats):
+        for ci, c in enumerate(contexts):
+            for bi, n in enumerate(batches):
+                k = (rep + ci + bi) % len(names)
+                for name in names[k:] + names[:k]:
+                    m = models[name]
+                    m.prefill(fill[:c])  # rolls back, or refills after a shorter context (untimed)
+                    t0 = time.perf_counter()
+                    m.decode(fill[c:c + n], "all")
+                    samples.setdefault((name, ci, bi), []).append(time.perf_counter() - t0)
+                    done += 1
+                if progress:
+                    progress(done, total)
+    table = {name: [[statistics.median(samples[(name, ci, bi)]) for bi in range(len(batches))]
+                    for ci in range(len(contexts))] for name in names}
+    return CostProfile(list(batches), list(contexts), table, {name: models[name].n_layer for name in names})

@@ -1,0 +1,97 @@
+"""Tuned configurations: what `via-edge tune` chose for a pair on this machine, and where it lives.
+
+Files sit next to the models (`<model dir>/tuned/<pair>--<machine>.{profile,choice}.json`), keyed
+by pair and machine, because a choice measured on one CPU says nothing about another. The engine,
+`generate`, `chat` and `serve` read the choice as their defaults; every knob can still be overridden.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from . import models as catalog
+from .decoding import SpecParams
+from .errors import ViaEdgeError
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_key() -> str:
+    """CPU model, core count and the llama.cpp build's features: what decides the costs."""
+    from .llama import _llama_cpp
+
+    try:
+        system = _llama_cpp().llama_print_system_info().decode()
+    except Exception:  # a build without the call still gets a stable key
+        system = ""
+    slug = re.sub(r"[^a-z0-9]+", "-", cpu_name().lower()).strip("-")[:40]
+    digest = hashlib.sha256(f"{system}|{platform.machine()}".encode()).hexdigest()[:8]
+    return f"{slug}-{os.cpu_count()}c-{digest}"
+
+
+def tuned_dir() -> Path:
+    return catalog.model_dir() / "tuned"
+
+
+def tuned_path(pair: str, kind: str) -> Path:
+    return tuned_dir() / f"{pair}--{machine_key()}.{kind}.json"
+
+
+def write_json(path: Path, data: dict) -> Path:
+    """All or nothing: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ViaEdgeError(f"{path} is unreadable ({exc}); delete it or run `via-edge tune` again") from exc
+
+
+@dataclass
+class TunedConfig:
+    """The tuned choice for one pair: the mode to run and the knobs for every mode."""
+
+    pair: str
+    mode: str                                  # the fastest mode meeting the fidelity floor (maybe ar)
+    slim_layers: str | None                    # the slim verifier the search found
+    modes: dict[str, dict] = field(default_factory=dict)  # mode -> SpecParams fields for that mode
+    summary: str = ""                          # one line: what was chosen and why
+
+    def spec(self, mode: str | None = None) -> SpecParams:
+        known = {f.name for f in fields(SpecParams)}
+        return SpecParams(**{k: v for k, v in self.modes.get(mode or self.mode, {}).items() if k in known})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_choice(pair: str) -> TunedConfig | None:
+    """The tuned choice for `pair` on this machine, or None when it was never tuned here."""
+    path = tuned_path(pair, "choice")
+    if not path.exists():
+        return None
+    data = read_json(path)
+    try:
+        return TunedConfig(**{f.name: data[f.name] for f in fields(TunedConfig) if f.name in data})
+    except TypeError as exc:
+        raise ViaEdgeError(f"{path} is not a tuned configuration ({exc}); run `via-edge tune` again") from exc
