@@ -214,7 +214,7 @@ def write_choice(mode="sd", **knobs):
     from via_edge.tuned import TunedConfig, tuned_path, write_json
 
     modes = {"ar": {}, "sd": {"n_draft": 3, **knobs}, "via": {"n_draft": 2, "tau_accept": 0.7, "tau_full": 0.5}}
-    return write_json(tuned_path("smollm2", "choice"), TunedConfig("smollm2", mode, "0-21", modes, "test").to_dict())
+    return write_json(tuned_path("smollm2", "choice"), TunedConfig("smollm2", mode, "0-19", modes, "test").to_dict())
 
 
 def test_engine_and_cli_use_the_tuned_choice(model_dir, smollm2):
@@ -251,6 +251,20 @@ def test_bench_tuned_needs_a_tuned_pair(model_dir, smollm2):
     out = cli("bench", "--pair", "smollm2", "--tuned", "--no-peers", "--categories", "coding", "-n", 4,
               "--out", model_dir / "b")
     assert out.returncode == 2 and "via-edge tune" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_bench_runs_tuned_beside_default(model_dir, smollm2):
+    write_choice()
+    out = cli("bench", "--pair", "smollm2", "--tuned", "--no-peers", "--categories", "coding", "-n", 8,
+              "--modes", "ar,sd,via", "--ctx", 1024, "--out", model_dir / "b")
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads((model_dir / "b" / "results.json").read_text())
+    assert res["meta"]["methods"] == ["ar", "sd", "via", "sd:tuned", "via:tuned"]
+    spec = res["meta"]["params"]["spec"]
+    assert spec["sd"]["n_draft"] == 6 and spec["sd:tuned"]["n_draft"] == 3 and spec["via:tuned"]["tau_accept"] == 0.7
+    assert res["summary"]["sd:tuned"]["lossless"] and not res["summary"]["via:tuned"]["lossless"]
+    assert res["meta"]["models"]["slim:tuned"]["blocks"] == 20 and res["meta"]["models"]["slim"]["blocks"] == 22
+    assert "sd:tuned" in (model_dir / "b" / "report.md").read_text()
 
 
 def test_tune_command_end_to_end(model_dir, smollm2):

@@ -247,6 +247,7 @@ def chat(
     _logging(verbose)
     opts = ModelOptions.from_args(locals(), fallback_mode="sd")
     with opts.engine(progress=True) as engine:
+        _tuning_hint(engine, target)
         run(engine, system=system, max_tokens=max_tokens, show_tiers=show_tiers, temperature=temperature,
             seed=seed)
 
@@ -274,6 +275,7 @@ def serve(
     _logging(verbose)
     opts = ModelOptions.from_args(locals(), fallback_mode="sd")
     with opts.engine(progress=True) as engine:
+        _tuning_hint(engine, target)
         mode = engine.mode
         _err(f"via-edge serving {engine.model_name} ({mode}) on http://{host}:{port}/v1")
         run(engine, host, port, max_body=max_body, max_tokens_limit=max_tokens_limit)
@@ -363,6 +365,12 @@ def slim_build(
     from .slim import build_slim
 
     typer.echo(str(build_slim(catalog.resolve(target, pull_missing=True), layers, out)))
+
+
+def _tuning_hint(engine: Engine, target: Optional[str]) -> None:
+    if engine.tuned is None and not target:
+        _err(f"note: no tuned choice for this pair on this machine, so mode {engine.mode} with default knobs; "
+             "`via-edge tune` measures which mode is fastest here")
 
 
 _shown: dict[str, int] = {}

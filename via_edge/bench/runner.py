@@ -169,7 +169,8 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
         meta = {
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "command": cfg.command, "machine": {**machine(), "threads_used": threads},
-            "versions": versions(), "models": model_facts(engine),
+            "versions": versions(), "models": model_facts(engine) | (
+                {"slim:tuned": model_facts(tuned)["slim"]} if tuned and "slim" in model_facts(tuned) else {}),
             "params": {**{k: v for k, v in asdict(cfg).items() if k not in ("spec", "command")},
                        "spec": {m: asdict(engine.spec) for m in cfg.modes} | (
                            {f"{m}:tuned": asdict(tuned.mode_specs.get(m, tuned.spec)) for m in cfg.modes if m != "ar"}

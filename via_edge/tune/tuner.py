@@ -28,6 +28,7 @@ from ..bench.runner import machine, versions
 from ..decoding import SpecParams
 from ..engine import Engine
 from ..errors import InvalidParameterError
+from ..gguf_info import read_info
 from ..llama import LlamaModel, LoadParams, default_threads
 from ..slim import build_slim, format_layers, is_prefix
 from ..tuned import TunedConfig, machine_key, tuned_path, write_json
@@ -84,6 +85,8 @@ def tune(cfg: TuneConfig, quiet: bool = False) -> dict:
                   else build_slim(target_path, pair["draft_layers"]))
     t_start = time.monotonic()
     timings: dict[str, float] = {}
+    if read_info(target_path).block_count < 2:
+        raise InvalidParameterError(f"{target_path.name} has fewer than 2 blocks: there is no slim to search")
 
     with LlamaModel(target_path, load) as target, LlamaModel(draft_path, load) as draft:
         n_blocks = target.n_layer
@@ -128,8 +131,9 @@ def tune(cfg: TuneConfig, quiet: bool = False) -> dict:
     # 3. slim search ------------------------------------------------------------------------------
     t0 = time.monotonic()
     verify_cost = profile.cost("target", SpecParams().n_draft + 1, cfg.contexts[1])
-    budget = max(k for k in range(1, n_blocks)
-                 if profile.slim_cost(k, SpecParams().n_draft + 1, cfg.contexts[1]) <= cfg.slim_budget * verify_cost)
+    budget = max((k for k in range(1, n_blocks)
+                  if profile.slim_cost(k, SpecParams().n_draft + 1, cfg.contexts[1]) <= cfg.slim_budget * verify_cost),
+                 default=1)  # even one block over budget: search the cheapest slims anyway, the replay decides
     order = sorted(range(len(traces)), key=lambda i: len(traces[i].prompt))
     search_set = [traces[i] for i in order[: cfg.search_prompts]]
     scratch = Path(tempfile.mkdtemp(prefix="via-edge-search-", dir=catalog.model_dir()))
