@@ -112,8 +112,18 @@ def best_per_mode(cands: Sequence[Candidate], floor: float) -> dict[str, Candida
     return out
 
 
-def choose(best: dict[str, Candidate], margin: float = 0.03) -> Candidate:
-    """The never-slower rule: a speculative mode only when predicted at least `margin` faster than ar."""
+PREDICTED_MARGIN = 0.15  # speculation must be predicted this much faster than ar ...
+MEASURED_MARGIN = 0.05   # ... and measured this much faster on held-out prompts
+
+
+def choose(best: dict[str, Candidate], margin: float = PREDICTED_MARGIN) -> Candidate:
+    """The never-slower rule: a speculative mode only when predicted at least `margin` faster than ar.
+
+    The margin is the prediction's error on unseen prompts, not on the calibration ones: on this
+    project's reference machine the full benchmark (13 categories, 128 tokens) measured 10-18%
+    below the replay's predictions (docs/benchmarks.md, section 9), while held-out checks of 48
+    tokens agreed within 6%.
+    """
     spec = [c for m, c in best.items() if m != "ar"]
     top = max(spec, key=lambda c: c.speedup, default=None)
     if top is None or top.speedup < 1.0 + margin:

@@ -33,7 +33,7 @@ from ..llama import LlamaModel, LoadParams, default_threads
 from ..slim import build_slim, format_layers, is_prefix
 from ..tuned import TunedConfig, machine_key, tuned_path, write_json
 from . import profile as prof
-from .choose import Candidate, best_per_mode, choose, frontier, grid, predict
+from .choose import MEASURED_MARGIN, PREDICTED_MARGIN, Candidate, best_per_mode, choose, frontier, grid, predict
 from ..prompts import chat_tokens
 from .record import calibration_prompts, capture_names, record, slim_traces
 from .replay import geomean
@@ -92,7 +92,8 @@ def tune(cfg: TuneConfig, quiet: bool = False) -> dict:
         n_blocks = target.n_layer
         eog = [t for t in range(target.n_vocab) if target.is_eog(t)]
         cal = calibration_prompts(1)
-        held = calibration_prompts(1, skip=1)[: cfg.heldout]
+        spare = calibration_prompts(1, skip=1)
+        held = spare[:: max(1, len(spare) // cfg.heldout)][: cfg.heldout]  # spread over the categories
         n_vocab = target.n_vocab
         cal_tokens = [chat_tokens(target, [{"role": "user", "content": p.text}]) for p in cal]
 
@@ -257,10 +258,10 @@ def verify(target_path: Path, draft_path: Path, best: dict[str, Candidate], prom
 
 def _final_choice(chosen: Candidate, best: dict[str, Candidate], checks: dict, floor: float
                   ) -> tuple[Candidate, str]:
-    """Keep the predicted choice only if the real run agrees it is faster than ar (never slower)."""
+    """Keep the predicted choice only if the real run agrees it is clearly faster than ar (never slower)."""
     def ok(m: str) -> bool:
         c = checks.get(m)
-        return m in best and bool(c) and c["measured_speedup"] > 1.0 and (
+        return m in best and bool(c) and c["measured_speedup"] >= 1.0 + MEASURED_MARGIN and (
             best[m].lossless or c["measured_agreement"] >= floor)
 
     if chosen.mode != "ar" and ok(chosen.mode):
@@ -277,7 +278,9 @@ def _final_choice(chosen: Candidate, best: dict[str, Candidate], checks: dict, f
     detail = (f"; the best speculative configuration, {fastest.label()}, is predicted at {fastest.speedup:.2f}x"
               + (f" and measured at {checks[fastest.mode]['measured_speedup']:.2f}x" if fastest.mode in checks else "")
               if fastest else "")
-    return best["ar"], f"no speculative configuration beats plain decoding (ar) on this machine{detail}: chose ar"
+    return best["ar"], (f"no speculative configuration beats plain decoding (ar) on this machine by the margins the "
+                        f"never-slower rule asks (predicted +{PREDICTED_MARGIN:.0%}, measured +{MEASURED_MARGIN:.0%})"
+                        f"{detail}: chose ar")
 
 
 def _finalists(ranked, n: int = 2):
