@@ -168,6 +168,21 @@ def test_never_slower_rule(draft_cost, expect_ar):
     assert all(a.speedup < b.speedup and a.fidelity >= b.fidelity for a, b in zip(front, front[1:]))
 
 
+def test_final_choice_needs_both_margins():
+    """A mode measured fast on a few held-out prompts but predicted below the margin stays out."""
+    from via_edge.tune.choose import Candidate
+    from via_edge.tune.tuner import _final_choice
+
+    best = {"ar": Candidate("ar", SpecParams()), "lookup": Candidate("lookup", SpecParams(n_draft=3), speedup=1.04),
+            "sd": Candidate("sd", SpecParams(n_draft=3), speedup=1.20)}
+    checks = {m: {"measured_speedup": v, "measured_agreement": 1.0} for m, v in
+              (("ar", 1.0), ("lookup", 1.11), ("sd", 1.02))}
+    final, why = _final_choice(choose(best), best, checks, 0.95)
+    assert final.mode == "ar" and "chose ar" in why  # sd measured too slow, lookup predicted too slow
+    checks["sd"]["measured_speedup"] = 1.08
+    assert _final_choice(choose(best), best, checks, 0.95)[0].mode == "sd"
+
+
 def test_predicted_agreement():
     assert predicted_agreement(0.0, 128) == 1.0
     assert predicted_agreement(0.5, 2) == pytest.approx((0.5 + 0.25) / 2)

@@ -288,7 +288,7 @@ def tune(
                                          "token agreement with the target's greedy output."),
     slim_budget: float = typer.Option(0.75, help="A slim may cost at most this share of the target's "
                                       "verification call."),
-    search_evals: int = typer.Option(24, help="Slims the layer search may build and score."),
+    search_evals: int = typer.Option(20, help="Slims the layer search may build and score."),
     calib_tokens: int = typer.Option(48, help="Target tokens recorded per calibration prompt."),
     heldout: int = typer.Option(4, help="Held-out prompts for the real check of the prediction."),
     verify_tokens: int = typer.Option(48, help="Tokens per held-out prompt in the real check."),
