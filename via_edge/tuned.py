@@ -51,13 +51,17 @@ def tuned_path(pair: str, kind: str) -> Path:
     return tuned_dir() / f"{pair}--{machine_key()}.{kind}.json"
 
 
-def write_json(path: Path, data: dict) -> Path:
+def write_text(path: Path, text: str) -> Path:
     """All or nothing: a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
+    tmp.write_text(text)
     tmp.replace(path)
     return path
+
+
+def write_json(path: Path, data: dict) -> Path:
+    return write_text(path, json.dumps(data, indent=1))
 
 
 def read_json(path: Path) -> dict:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
-from ..tuned import machine_key, tuned_dir
+from ..tuned import machine_key, tuned_dir, write_json, write_text
 
 COLORS = {"ar": "black", "sd": "tab:blue", "lookup": "tab:green", "hier": "tab:purple", "via": "tab:orange"}
 
@@ -14,17 +12,9 @@ COLORS = {"ar": "black", "sd": "tab:blue", "lookup": "tab:green", "hier": "tab:p
 def write_outputs(result: dict, out: Path | None) -> list[Path]:
     folder = Path(out) if out else tuned_dir() / f"{result['meta']['pair']}--{machine_key()}"
     folder.mkdir(parents=True, exist_ok=True)
-    paths = [_atomic(folder / "tune.json", json.dumps(result, indent=1)),
-             _atomic(folder / "report.md", render_markdown(result))]
+    paths = [write_json(folder / "tune.json", result), write_text(folder / "report.md", render_markdown(result))]
     png = plot_frontier(result, folder / "frontier.png")
     return paths + ([png] if png else [])
-
-
-def _atomic(path: Path, text: str) -> Path:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-    return path
 
 
 def _f(x, nd: int = 2) -> str:
