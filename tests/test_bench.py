@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from via_edge.bench.metrics import fidelity, geomean, prefix_length, spread
+from via_edge.bench.metrics import fidelity, geomean, spread
 from via_edge.bench.suite import load_prompts, spec_bench_categories
 from via_edge.errors import InvalidParameterError
 
@@ -21,7 +21,6 @@ def test_geomean_and_spread():
 
 
 def test_prefix_and_fidelity():
-    assert prefix_length([1, 2, 3], [1, 2, 4, 5]) == 2
     f = fidelity([1, 2, 3, 4], [1, 2, 9, 4, 7])
     assert f == {"exact": False, "prefix": 2, "prefix_share": 0.5, "agreement": 3 / 5}
     assert fidelity([5, 6], [5, 6]) == {"exact": True, "prefix": 2, "prefix_share": 1.0, "agreement": 1.0}
@@ -103,8 +102,9 @@ def test_bench_quick_end_to_end(tmp_path):
     ar = {r["prompt_id"]: r["tok_s"] for r in runs if r["method"] == "ar"}
     sd = [r["tok_s"] / ar[r["prompt_id"]] for r in runs if r["method"] == "sd"]
     assert summary["sd"]["speedup"] == pytest.approx(math.exp(sum(map(math.log, sd)) / len(sd)))
-    assert summary["ar"]["speedup"] == pytest.approx(1.0)
-    assert sum(summary["via"]["tier_shares"].values()) == pytest.approx(1.0)
+    via = [r for r in runs if r["method"] == "via"]
+    assert summary["via"]["tier_shares"]["A"] == pytest.approx(  # shares recomputed from the runs' own tiers
+        sum(r["tiers"].count("A") for r in via) / sum(len(r["tiers"]) for r in via))
     assert "| via (lossy) |" in (out / "report.md").read_text()
     diff = cli("bench", "--compare", out, out / "results.json")
     assert diff.returncode == 0 and "| sd |" in diff.stdout and "+0.0%" in diff.stdout

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from via_edge import Engine, SpecParams
+
 EXACT_FLAGS = ["--exact", "--no-flash-attn", "--kv-type", "f32", "--ctx", "256"]
 
 
@@ -30,12 +32,18 @@ def test_generate_json(tiny_target, mode):
     proc = cli("generate", "hello world", "--target", tiny_target, "--draft-layers", "0-1",
                "--slim-layers", "0-2", "--mode", mode, "-n", 20, "--raw", "--json", *EXACT_FLAGS)
     out = json.loads(proc.stdout)
-    assert out["mode"] == mode and len(out["tokens"]) == out["timings"]["predicted_n"] > 0
-    assert out["timings"]["predicted_per_second"] > 0 and out["timings"]["prompt_n"] > 0
-    assert out["stats"]["generated_tokens"] == len(out["tokens"])
-    assert out["timings"]["draft_n"] == out["stats"]["draft_n"]
+    # the same request in this process (same exact kernels) is the oracle for what the command reports
+    spec = SpecParams()
+    with Engine(tiny_target, draft_layers="0-1", slim_layers="0-2", mode=mode, n_ctx=256, kv_type="f32",
+                flash_attn=False, use_extra_bufts=False) as engine:
+        ref = engine.generate("hello world", max_tokens=20, chat_template=False, spec=spec)
+        prompt_n = len(engine.tokens_for("hello world", False))
+    assert out["mode"] == mode and out["tokens"] == ref.tokens and out["text"] == ref.text
+    assert out["timings"]["predicted_n"] == len(ref.tokens) and out["timings"]["prompt_n"] == prompt_n
+    assert out["timings"]["draft_n"] == ref.stats.draft_n and out["tiers"] == ref.tiers
+    assert out["timings"]["predicted_per_second"] > 0
     if mode in ("sd", "via", "hier"):  # prompt lookup finds nothing to copy in random text
-        assert out["stats"]["draft_n"] > 0
+        assert ref.stats.draft_n > 0
 
 
 def test_generate_streams_text_and_reports(tiny_target):

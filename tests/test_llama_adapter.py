@@ -71,9 +71,29 @@ def test_eval_reuses_prefix_and_rolls_back(model):
     assert np.abs(got - fresh).max() < 1e-4 and model.tokens == other
 
 
-def test_logits_are_read_only_views(model):
-    row = model.eval(model.tokenize("abc"), 1)
+def test_logits_are_views_until_the_next_decode(model):
+    """Rows are read-only views onto llama.cpp's buffer: no copy per row, and a view is overwritten
+    by the model's next decode. The drafter reads each row before it decodes again, so its
+    proposal equals one built from copies on a fresh model."""
+    from via_edge.drafters import ModelDrafter
+    from via_edge.sampling import SamplingParams
+    from via_edge.scores import ScoredModel
+
+    toks = model.tokenize(TEXT)
+    model.reset()
+    row = model.eval(toks, 1)
+    saved = row.copy()
     assert not row.flags.writeable
+    model.decode([int(saved[0].argmax())])
+    assert not np.array_equal(row, saved)  # the hazard is real
+    model.reset()
+    got = ModelDrafter(ScoredModel(model)).propose(toks, 6, SamplingParams(), None).tokens
+    model.reset()
+    ctx, want = list(toks), []
+    for _ in range(6):
+        want.append(int(model.eval(ctx, 1)[0].copy().argmax()))
+        ctx.append(want[-1])
+    assert got == want
 
 
 def test_tokenizer_round_trip(model):
@@ -103,9 +123,25 @@ def test_chat_template_from_gguf(model):
 
 def test_context_overflow(model):
     model.reset()
+    model.eval(model.tokenize(TEXT), 1)
+    held = list(model.tokens)
     with pytest.raises(ContextOverflowError):
         model.decode(list(range(5, 5 + 300)), "last")
-    assert model.tokens == []
+    assert model.tokens == held
+
+
+def test_a_failed_decode_rolls_the_cache_back(model):
+    """llama_decode refusing a batch (here: a token id outside the vocabulary) leaves the cache
+    holding exactly what it held, and the next eval computes what a fresh context does."""
+    toks = model.tokenize(TEXT)
+    model.reset()
+    model.eval(toks, 1)
+    with pytest.raises(RuntimeError, match="llama_decode failed"):
+        model.decode([5, model.n_vocab + 7], "last")
+    assert model.tokens == toks
+    after = model.eval(toks + [9, 10], 1).copy()
+    model.reset()
+    assert np.abs(after - model.eval(toks + [9, 10], 1)).max() < 1e-4
 
 
 def test_missing_foreign_and_truncated_files(tmp_path, tiny_target):

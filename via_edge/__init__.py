@@ -1,5 +1,7 @@
 """via-edge: speculative decoding with intra-model routing (VIA-SD) for local LLMs on llama.cpp."""
 
+__version__ = "0.1.0"
+
 from .decoding import SpecParams
 from .engine import Engine, Piece, Result
 from .errors import (
@@ -15,7 +17,6 @@ from .errors import (
 from .sampling import SamplingParams
 from .stats import Stats
 
-__version__ = "0.1.0"
 __all__ = [
     "Engine", "Piece", "Result", "SpecParams", "SamplingParams", "Stats",
     "ViaEdgeError", "ModelFileError", "CatalogError", "DownloadError", "IncompatibleModelsError",

@@ -13,11 +13,12 @@ import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator, TextIO
 
-from .engine import ENGINE_MODES, Engine
+from .engine import Engine
 from .errors import ViaEdgeError
+from .modes import DRAFT, MODE_NAMES, SLIM, TARGET
 from .stats import Stats
 
-COLOURS = {"draft": "\033[32m", "slim": "\033[33m", "target": "\033[34m"}
+COLOURS = {DRAFT: "\033[32m", SLIM: "\033[33m", TARGET: "\033[34m"}
 RESET = "\033[0m"
 HELP = """commands:
   /stats        speed, acceptance and tier shares for this session
@@ -40,31 +41,47 @@ class ChatSession:
         head = [{"role": "system", "content": self.system}] if self.system else []
         return head + self.history
 
-    def fit_history(self) -> int:
-        """Drop the oldest exchanges until the prompt leaves room to answer; how many were dropped."""
-        dropped = 0
-        room = self.engine.target.n_ctx - min(self.max_tokens, self.engine.target.n_ctx // 2)
-        while len(self.engine.chat_prompt(self.messages())) > room and len(self.history) > 1:
-            self.history = self.history[2:] if len(self.history) > 2 else self.history[1:]
-            dropped += 1
-        return dropped
+    @property
+    def room(self) -> int:
+        """Prompt tokens that still leave room to answer."""
+        n_ctx = self.engine.target.n_ctx
+        return n_ctx - min(self.max_tokens, n_ctx // 2)
 
-    def ask(self, text: str, is_interrupted: Callable[[], bool] | None = None) -> str:
+    def fit(self, text: str) -> list[int] | None:
+        """The prompt for `text` after the history, dropping the oldest exchanges until it leaves
+        room to answer; None (history untouched) when `text` alone is too long."""
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        alone = len(self.engine.chat_prompt(head + [{"role": "user", "content": text}]))
+        if alone > self.room:
+            self.write(f"[not sent: that message is {alone} prompt tokens and leaves no room to answer in the "
+                       f"{self.engine.target.n_ctx}-token context (at most {self.room}); shorten it or restart "
+                       f"with a larger --ctx. The conversation so far is kept.]\n")
+            return None
         self.history.append({"role": "user", "content": text})
-        if self.fit_history():
+        dropped = False
+        while len(tokens := self.engine.chat_prompt(self.messages())) > self.room:
+            self.history = self.history[2:]  # the oldest exchange; the new message alone fits
+            dropped = True
+        if dropped:
             self.write("[oldest turns dropped to fit the context window]\n")
-        tokens = self.engine.chat_prompt(self.messages())
+        return tokens
+
+    def ask(self, text: str, is_interrupted: Callable[[], bool] | None = None) -> str | None:
+        """Answer `text`, streaming; None when it was not sent (too long for the context)."""
+        tokens = self.fit(text)
+        if tokens is None:
+            return None
         if len(tokens) > 256:
             self.write(f"[processing a {len(tokens)}-token prompt…]\r")
         pieces: list[str] = []
-        for piece in self.engine.stream(tokens, max_tokens=self.max_tokens, should_stop=is_interrupted,
-                                        **self.sampling):
+        stream = self.engine.stream(tokens, max_tokens=self.max_tokens, should_stop=is_interrupted, **self.sampling)
+        for piece in stream:
             pieces.append(piece.text)
             if self.show_tiers:
                 self.write(f"{COLOURS.get(piece.origin, '')}{piece.text}{RESET}")
             else:
                 self.write(piece.text)
-        result = self.engine.last_result
+        result = stream.result
         if result.finish_reason == "cancelled":
             self.write("\n[stopped]")
         answer = "".join(pieces)
@@ -85,8 +102,8 @@ class ChatSession:
             self.stats = Stats()
             self.write("[conversation cleared]\n")
         elif cmd == "/mode":
-            if arg not in ENGINE_MODES:
-                self.write(f"[modes: {', '.join(ENGINE_MODES)}]\n")
+            if arg not in MODE_NAMES:
+                self.write(f"[modes: {', '.join(MODE_NAMES)}]\n")
             else:
                 try:
                     self.engine.prepare(arg)

@@ -1,20 +1,30 @@
-"""The `via-edge` command line. User errors print one line and exit 2, never a traceback."""
+"""The `via-edge` command line. User errors print one line and exit 2, never a traceback.
+
+The options several commands share are declared once (`Opt` groups below) and added to each
+command's signature by `@shared(...)`, which hands them to the command as one `Options` value;
+the speculation knobs are made from `SpecParams`' fields, so a new knob needs no CLI change.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import json
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, get_type_hints
 
 import typer
 
 from . import models as catalog
 from .decoding import SpecParams
-from .engine import ENGINE_MODES, Engine
+from .engine import Engine
 from .errors import ViaEdgeError
 from .llama import EXACT
+from .modes import MODE_NAMES
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="Speculative decoding with intra-model routing (VIA-SD) on llama.cpp.")
@@ -23,154 +33,231 @@ slim_app = typer.Typer(no_args_is_help=True, help="Slim verifiers: derived GGUFs
 app.add_typer(models_app, name="models")
 app.add_typer(slim_app, name="slim")
 
+# what Ctrl-C interrupts, said when it does (set by each command as it goes)
+_activity = {"doing": "the command", "kept": "nothing was written"}
+
 
 def _err(msg: str) -> None:
     typer.echo(msg, err=True)
 
 
-class ModelOptions:
-    """The options every command that loads models shares, turned into an Engine.
+def _doing(doing: str, kept: str = "nothing was written") -> None:
+    _activity.update(doing=doing, kept=kept)
 
-    Speculation knobs left unset (None) come from the pair's tuned choice on this machine when
-    there is one (`via-edge tune`), else from SpecParams' defaults.
-    """
 
-    KNOBS = ("n_draft", "tau_accept", "tau_full", "route", "max_lag", "hier_block", "p_min", "n_min")
+# ---- shared options ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Opt:
+    """One command-line option: its parameter name, type, default, help and valid range."""
 
-    def __init__(self, args: dict, fallback_mode: str) -> None:
-        self.args, self.fallback_mode = args, fallback_mode
+    name: str
+    type: Any
+    default: Any
+    help: str
+    decls: tuple[str, ...] = ()
+    lo: float | None = None
+    hi: float | None = None
+    show_default: bool = True
 
-    @classmethod
-    def from_args(cls, args: dict, fallback_mode: str = "ar") -> "ModelOptions":
-        """From a command's own arguments (the shared options below, by name)."""
-        return cls(dict(args), fallback_mode)
+    def parameter(self) -> inspect.Parameter:
+        option = typer.Option(self.default, *self.decls, help=self.help, show_default=self.show_default)
+        return inspect.Parameter(self.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=self.type)
 
-    def engine(self, progress: bool = False) -> Engine:
-        a = self.args
-        overrides = {k: a[k] for k in self.KNOBS if a.get(k) is not None}
-        kw = dict(n_ctx=a["ctx"], n_threads=a["threads"], n_gpu_layers=a["gpu_layers"], flash_attn=a["flash_attn"],
-                  kv_type=a["kv_type"], pull_missing=True, progress=_load_progress if progress else None)
-        if a["exact"]:
+
+def _tuned_note(default: Any) -> str:
+    # parentheses, not brackets: typer's help renderer would read [..] as markup and drop it
+    return f" (default: tuned, else {default})"
+
+
+def _spec_opts() -> tuple[Opt, ...]:
+    hints = get_type_hints(SpecParams)
+    return tuple(Opt(f.name, Optional[hints[f.name]], None, f.metadata["help"] + _tuned_note(f.default),
+                     show_default=False) for f in dataclasses.fields(SpecParams))
+
+
+MODEL_OPTS = (
+    Opt("pair", Optional[str], None, "Catalog pair (default: qwen2.5-coder)."),
+    Opt("target", Optional[str], None, "Target GGUF path or catalog name (overrides --pair)."),
+    Opt("draft", Optional[str], None, "Draft GGUF path or catalog name."),
+    Opt("slim", Optional[str], None, "Slim verifier GGUF (default: built from --slim-layers)."),
+    Opt("draft_layers", Optional[str], None, "Use a slim of the target as the draft, e.g. 0-11."),
+    Opt("slim_layers", Optional[str], None, "Target blocks for the slim verifier, e.g. 0-3,14-27"
+        + _tuned_note("the catalog's")),
+    Opt("untuned", bool, False, "Ignore the pair's tuned choice (via-edge tune) on this machine.", ("--untuned",)),
+)
+RUN_OPTS = (
+    Opt("ctx", int, 4096, "Context window (tokens).", lo=16, hi=1 << 20),
+    Opt("threads", Optional[int], None, "CPU threads (default: all cores).", lo=1, hi=1024),
+    Opt("gpu_layers", int, -1, "Layers to offload to Metal/GPU (-1: all; CPU builds ignore it).", lo=-1, hi=100000),
+    Opt("flash_attn", Optional[bool], None, "Default: auto.", ("--flash-attn/--no-flash-attn",)),
+    Opt("exact", bool, False, "No weight repacking: verification batches of up to 7 tokens then compute exactly "
+        "what single decodes do, so greedy sd (n_draft <= 6) equals ar (slower).", ("--exact",)),
+    Opt("kv_type", str, "f16", "KV cache type: f16, f32 or q8_0."),
+    Opt("verbose", bool, False, "Show llama.cpp's log.", ("--verbose", "-v")),
+)
+SAMPLING_OPTS = (
+    Opt("temperature", float, 0.0, "0 = greedy."),
+    Opt("top_k", int, 0, "0 = off."),
+    Opt("top_p", float, 1.0, "Nucleus sampling mass (1 = off)."),
+    Opt("min_p", float, 0.0, "Drop tokens below this share of the top one's probability."),
+    Opt("seed", Optional[int], None, "Seed for reproducible sampling."),
+)
+SPEC_OPTS = _spec_opts()
+SPEC_KNOBS = tuple(o.name for o in SPEC_OPTS)
+# ranges of the commands' own numeric options, checked before anything loads
+RANGES = {"max_tokens": (1, 1 << 20), "port": (0, 65535), "max_body": (1, None), "max_tokens_limit": (1, None),
+          "per_category": (1, None), "search_evals": (1, None), "calib_tokens": (2, None), "heldout": (1, None),
+          "verify_tokens": (2, None), "repeats": (1, None)}
+
+
+@dataclass
+class Options:
+    """The shared options of one command invocation, by name."""
+
+    values: dict[str, Any]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def spec_overrides(self) -> dict[str, Any]:
+        return {k: self.values[k] for k in SPEC_KNOBS if self.values.get(k) is not None}
+
+    def sampling(self) -> dict[str, Any]:
+        return {o.name: self.values[o.name] for o in SAMPLING_OPTS if o.name in self.values}
+
+    def engine(self, mode: str | None, fallback_mode: str = "ar", progress: bool = False) -> Engine:
+        """The engine these options describe: a pair (with its tuned choice) or explicit files.
+
+        Knobs left unset come from the pair's tuned choice on this machine when there is one
+        (`via-edge tune`), else from SpecParams' defaults.
+        """
+        v = self.values
+        kw: dict[str, Any] = dict(n_ctx=v["ctx"], n_threads=v["threads"], n_gpu_layers=v["gpu_layers"],
+                                  flash_attn=v["flash_attn"], kv_type=v["kv_type"], pull_missing=True,
+                                  progress=_load_progress if progress else None)
+        if v["exact"]:
             kw.update(EXACT)
-        for key in ("draft_layers", "slim_layers", "mode"):
-            if a.get(key):
-                kw[key] = a[key]
-        if a["target"]:
-            kw.setdefault("mode", self.fallback_mode)
-            return Engine(a["target"], a["draft"], a["slim"], spec=SpecParams(**overrides), **kw)
-        if a["draft"] or a["slim"]:
+        for key, value in (("draft_layers", v["draft_layers"]), ("slim_layers", v["slim_layers"]), ("mode", mode)):
+            if value:
+                kw[key] = value
+        _doing("loading the models", "nothing was written (a model download in progress keeps its partial file)")
+        if v["target"]:
+            kw.setdefault("mode", fallback_mode)
+            return Engine(v["target"], v["draft"], v["slim"], spec=SpecParams(**self.spec_overrides()), **kw)
+        if v["draft"] or v["slim"]:
             raise ViaEdgeError("--draft and --slim need --target (or use --pair)")
-        return Engine.from_pair(a["pair"], tuned=not a.get("untuned"), overrides=overrides,
-                                fallback_mode=self.fallback_mode, **kw)
+        return Engine.from_pair(v["pair"], tuned=not v["untuned"], overrides=self.spec_overrides(),
+                                fallback_mode=fallback_mode, **kw)
 
 
-# options shared by generate, chat and serve (typer lets one Option object serve several commands)
-PAIR = typer.Option(None, help="Catalog pair (default: qwen2.5-coder).")
-TARGET = typer.Option(None, help="Target GGUF path or catalog name (overrides --pair).")
-DRAFT = typer.Option(None, help="Draft GGUF path or catalog name.")
-SLIM = typer.Option(None, help="Slim verifier GGUF (default: built from --slim-layers).")
-DRAFT_LAYERS = typer.Option(None, help="Use a slim of the target as the draft, e.g. 0-11.")
-SLIM_LAYERS = typer.Option(None, help="Target blocks for the slim verifier, e.g. 0-3,14-27 [default: tuned, "
-                           "else the catalog's].")
-_D = SpecParams()
-TUNED_NOTE = " [default: tuned, else {}]"
-N_DRAFT = typer.Option(None, help="Draft tokens per round." + TUNED_NOTE.format(_D.n_draft), show_default=False)
-P_MIN = typer.Option(None, help="Stop drafting when the draft's top probability is below this."
-                     + TUNED_NOTE.format(_D.p_min), show_default=False)
-N_MIN = typer.Option(None, help="Draft at least this many tokens before p_min applies."
-                     + TUNED_NOTE.format(_D.n_min), show_default=False)
-TAU_ACCEPT = typer.Option(None, help="via: keep a draft token at or above this routing score."
-                          + TUNED_NOTE.format(_D.tau_accept), show_default=False)
-TAU_FULL = typer.Option(None, help="via: send to the target below this score (>1: always)."
-                        + TUNED_NOTE.format(_D.tau_full), show_default=False)
-ROUTE = typer.Option(None, help="via: routing score from slim, draft or both." + TUNED_NOTE.format(_D.route),
-                     show_default=False)
-MAX_LAG = typer.Option(None, help="via: the target verifies at least every this many tokens (0: never forced)."
-                       + TUNED_NOTE.format(_D.max_lag), show_default=False)
-HIER_BLOCK = typer.Option(None, help="hier: tokens per target verification." + TUNED_NOTE.format(_D.hier_block),
-                          show_default=False)
-UNTUNED = typer.Option(False, "--untuned", help="Ignore the pair's tuned choice (via-edge tune) on this machine.")
-CTX = typer.Option(4096, help="Context window (tokens).")
-THREADS = typer.Option(None, help="CPU threads (default: all cores).")
-GPU_LAYERS = typer.Option(-1, help="Layers to offload to Metal/GPU (-1: all; CPU builds ignore it).")
-FLASH_ATTN = typer.Option(None, "--flash-attn/--no-flash-attn", help="Default: auto.")
-EXACT_OPT = typer.Option(False, "--exact", help="No weight repacking: verification batches of up to 7 tokens then "
-                         "compute exactly what single decodes do, so greedy sd (n_draft <= 6) equals ar (slower).")
-KV_TYPE = typer.Option("f16", help="KV cache type: f16, f32 or q8_0.")
-VERBOSE = typer.Option(False, "--verbose", "-v", help="Show llama.cpp's log.")
+def _check_range(name: str, value: Any, lo: float | None, hi: float | None) -> None:
+    if value is None or isinstance(value, bool):
+        return
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        span = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise ViaEdgeError(f"--{name.replace('_', '-')} must be {'in ' if hi is not None else ''}{span}, got {value}")
 
 
+def shared(*groups: tuple[Opt, ...]) -> Callable[[Callable], Callable]:
+    """Add the options of `groups` to a command and pass them to it as `opts`; check every
+    numeric option's range (shared or the command's own) before the command runs."""
+    opts = [o for g in groups for o in g]
+
+    def wrap(fn: Callable) -> Callable:
+        sig = inspect.signature(fn)
+        own = [p for p in sig.parameters.values() if p.name != "opts"]
+        hints = {k: v for k, v in get_type_hints(fn).items() if k != "opts"}
+
+        @functools.wraps(fn)
+        def command(**kwargs: Any) -> Any:
+            for o in opts:
+                _check_range(o.name, kwargs.get(o.name), o.lo, o.hi)
+            for name, (lo, hi) in RANGES.items():
+                _check_range(name, kwargs.get(name), lo, hi)
+            values = {o.name: kwargs.pop(o.name) for o in opts}
+            _logging(bool(values.get("verbose")))
+            if "opts" in sig.parameters:
+                kwargs["opts"] = Options(values)
+            return fn(**kwargs)
+
+        command.__signature__ = sig.replace(parameters=own + [o.parameter() for o in opts])
+        command.__annotations__ = {**hints, **{o.name: o.type for o in opts}}
+        return command
+
+    return wrap
+
+
+def _mode_opt(fallback: str, what: str = "Decoding mode") -> Any:
+    return typer.Option(None, help=f"{what}: {', '.join(MODE_NAMES)} (default: tuned, else {fallback}).",
+                        show_default=False)
+
+
+# ---- commands ------------------------------------------------------------------------------------
 @app.command()
+@shared(MODEL_OPTS, SPEC_OPTS, SAMPLING_OPTS, RUN_OPTS)
 def generate(
-    prompt: str = typer.Argument(..., help="The prompt (a user message unless --raw)."),
-    mode: Optional[str] = typer.Option(None, help=f"Decoding mode: {', '.join(ENGINE_MODES)} [default: tuned, else ar].",
-                                       show_default=False),
-    pair: Optional[str] = PAIR,
-    target: Optional[str] = TARGET,
-    draft: Optional[str] = DRAFT,
-    slim: Optional[str] = SLIM,
-    draft_layers: Optional[str] = DRAFT_LAYERS,
-    slim_layers: Optional[str] = SLIM_LAYERS,
+    prompt: Optional[str] = typer.Argument(None, help="The prompt (a user message unless --raw); - reads it "
+                                           "from standard input.", show_default=False),
+    prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from this file (long prompts)."),
+    mode: Optional[str] = _mode_opt("ar"),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Maximum new tokens."),
-    temperature: float = typer.Option(0.0, help="0 = greedy."),
-    top_k: int = typer.Option(0, help="0 = off."),
-    top_p: float = typer.Option(1.0),
-    min_p: float = typer.Option(0.0),
-    seed: Optional[int] = typer.Option(None, help="Seed for reproducible sampling."),
     stop: List[str] = typer.Option([], help="Stop string (repeatable)."),
     raw: bool = typer.Option(False, help="Do not apply the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with text, stats and timings."),
-    n_draft: Optional[int] = N_DRAFT,
-    p_min: Optional[float] = P_MIN,
-    n_min: Optional[int] = N_MIN,
-    tau_accept: Optional[float] = TAU_ACCEPT,
-    tau_full: Optional[float] = TAU_FULL,
-    route: Optional[str] = ROUTE,
-    max_lag: Optional[int] = MAX_LAG,
-    hier_block: Optional[int] = HIER_BLOCK,
-    untuned: bool = UNTUNED,
-    ctx: int = CTX,
-    threads: Optional[int] = THREADS,
-    gpu_layers: int = GPU_LAYERS,
-    flash_attn: Optional[bool] = FLASH_ATTN,
-    exact: bool = EXACT_OPT,
-    kv_type: str = KV_TYPE,
-    verbose: bool = VERBOSE,
+    opts: Options = None,
 ) -> None:
     """Generate text for PROMPT with the target alone (ar) or speculatively (sd, via, hier, lookup)."""
-    _logging(verbose)
-    opts = ModelOptions.from_args(locals())
-    with opts.engine() as engine:
-        mode = engine.mode
-        stream = engine.stream(prompt, max_tokens=max_tokens, stop=stop, mode=mode, temperature=temperature,
-                               top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, chat_template=not raw)
+    from .compat import timings
+
+    text = _read_prompt(prompt, prompt_file)
+    with opts.engine(mode) as engine:
+        _doing("generation", "nothing was written")
+        stream = engine.stream(text, max_tokens=max_tokens, stop=stop, mode=engine.mode, chat_template=not raw,
+                               **opts.sampling())
         for piece in stream:
             if not as_json:
                 sys.stdout.write(piece.text)
                 sys.stdout.flush()
-        res = engine.last_result
+        res = stream.result
         s = res.stats
         if as_json:
             out = res.to_dict()
-            out["models"] = {role: str(m.path) for role, m in vars(engine.models).items()
-                             if hasattr(m, "path")}
-            out["timings"] = {
-                "prompt_n": s.prompt_tokens, "prompt_ms": round(s.prefill_seconds * 1e3, 2),
-                "prompt_per_second": round(s.prompt_tokens_per_second, 2),
-                "predicted_n": s.generated_tokens, "predicted_ms": round(s.generate_seconds * 1e3, 2),
-                "predicted_per_second": round(s.tokens_per_second, 2),
-                "draft_n": s.draft_n, "draft_n_accepted": s.draft_n_accepted,
-            }
+            out["models"] = {role: str(m.path) for role in ("target", "draft", "slim")
+                             if (m := getattr(engine.models, role)) is not None}
+            out["timings"] = timings(res)
             typer.echo(json.dumps(out, indent=2))
         else:
             sys.stdout.write("\n")
-            _err(f"[{mode}] {s.generated_tokens} tokens, {s.tokens_per_second:.1f} tok/s "
+            _err(f"[{res.mode}] {s.generated_tokens} tokens, {s.tokens_per_second:.1f} tok/s "
                  f"(prompt {s.prompt_tokens} tokens, {s.prompt_tokens_per_second:.0f} tok/s)"
                  + (f", accepted {s.draft_n_accepted}/{s.draft_n} drafted" if s.draft_n else "")
-                 + (f", tiers A/B/C {s.tier_a}/{s.tier_b}/{s.tier_c}" if mode == "via" else ""))
+                 + (f", tiers A/B/C {s.tier_a}/{s.tier_b}/{s.tier_c}" if res.mode == "via" else ""))
+
+
+def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
+    if prompt is not None and prompt_file is not None:
+        raise ViaEdgeError("give the prompt as an argument or with --prompt-file, not both")
+    if prompt_file is not None:
+        try:
+            text = prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ViaEdgeError(f"cannot read --prompt-file {prompt_file}: {exc}") from exc
+    elif prompt == "-":
+        text = sys.stdin.read()
+    elif prompt is None:
+        raise ViaEdgeError("no prompt: give it as an argument, - for standard input, or --prompt-file PATH")
+    else:
+        text = prompt
+    if not text.strip():
+        raise ViaEdgeError("the prompt is empty")
+    return text
 
 
 @app.command()
+@shared(SPEC_OPTS)
 def bench(
     pair: Optional[str] = typer.Option(None, help="Catalog pair (default: qwen2.5-coder)."),
     modes: str = typer.Option("ar,sd,via,hier,lookup", help="Comma-separated modes; must include ar."),
@@ -186,20 +273,17 @@ def bench(
     tuned: bool = typer.Option(False, "--tuned", help="Also run every mode with the pair's tuned knobs and slim "
                                "(via-edge tune), as <mode>:tuned beside the defaults, interleaved."),
     compare: Optional[Tuple[Path, Path]] = typer.Option(None, help="Diff two results files instead of running."),
-    n_draft: int = typer.Option(6),
-    p_min: float = typer.Option(0.0),
-    tau_accept: float = typer.Option(0.9),
-    tau_full: float = typer.Option(0.3),
-    route: str = typer.Option("slim"),
-    max_lag: int = typer.Option(32),
-    hier_block: int = typer.Option(12),
-    ctx: int = typer.Option(4096),
-    threads: Optional[int] = typer.Option(None),
+    ctx: int = typer.Option(4096, help="Context window (tokens)."),
+    threads: Optional[int] = typer.Option(None, help="CPU threads (default: all cores)."),
+    opts: Options = None,
 ) -> None:
-    """Measure speed and fidelity of every mode side by side, interleaved on the same prompts."""
+    """Measure speed and fidelity of every mode side by side, interleaved on the same prompts.
+
+    The speculation knobs apply to the untuned runs (default: SpecParams' defaults)."""
     from . import bench as B
 
-    _logging(False)
+    _check_range("ctx", ctx, 16, 1 << 20)
+    _check_range("threads", threads, 1, 1024)
     if compare:
         typer.echo(B.compare(B.load_results(compare[0]), B.load_results(compare[1])))
         return
@@ -207,81 +291,63 @@ def bench(
                         suite=suite, categories=[c.strip() for c in categories.split(",")] if categories else None,
                         per_category=per_category, max_tokens=max_tokens, exact=exact, n_ctx=ctx,
                         threads=threads, tuned=tuned, quick=quick, command="via-edge " + " ".join(sys.argv[1:]),
-                        spec=SpecParams(n_draft=n_draft, tau_accept=tau_accept, tau_full=tau_full, route=route,
-                                        max_lag=max_lag, hier_block=hier_block, p_min=p_min))
+                        spec=SpecParams(**opts.spec_overrides()))
     if quick:
         cfg.pair = pair or B.QUICK["pair"]
         cfg.categories = cfg.categories or B.QUICK["categories"]
         cfg.max_tokens = B.QUICK["max_tokens"] if max_tokens == 128 else max_tokens
         cfg.exact = cfg.f32 = True  # quantized kernels differ between batch and single: see build_f32
+    _doing("the benchmark", f"nothing was written to {out}")
     results = B.run_bench(cfg)
     for path in B.write_outputs(results, out):
         typer.echo(str(path))
-    summary = results["summary"]
-    for method, s in summary.items():
+    for method, s in results["summary"].items():
         typer.echo(f"  {method:24s} {s['tok_s']['median']:7.1f} tok/s  speedup {s['speedup']:.2f}x  "
                    f"agreement {s['fidelity']['agreement_mean']:.2f}")
 
 
 @app.command()
+@shared(MODEL_OPTS, SPEC_OPTS, SAMPLING_OPTS, RUN_OPTS)
 def chat(
-    mode: Optional[str] = typer.Option(None, help=f"Decoding mode: {', '.join(ENGINE_MODES)} [default: tuned, else sd].",
-                                       show_default=False),
+    mode: Optional[str] = _mode_opt("sd"),
     system: Optional[str] = typer.Option(None, help="System message."),
     show_tiers: bool = typer.Option(False, help="Colour each token by origin: green draft, yellow slim, blue target."),
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Maximum tokens per answer."),
-    temperature: float = typer.Option(0.0),
-    seed: Optional[int] = typer.Option(None),
-    pair: Optional[str] = PAIR, target: Optional[str] = TARGET, draft: Optional[str] = DRAFT,
-    slim: Optional[str] = SLIM, draft_layers: Optional[str] = DRAFT_LAYERS, slim_layers: Optional[str] = SLIM_LAYERS,
-    n_draft: Optional[int] = N_DRAFT, p_min: Optional[float] = P_MIN, n_min: Optional[int] = N_MIN,
-    tau_accept: Optional[float] = TAU_ACCEPT, tau_full: Optional[float] = TAU_FULL, route: Optional[str] = ROUTE,
-    max_lag: Optional[int] = MAX_LAG, hier_block: Optional[int] = HIER_BLOCK, untuned: bool = UNTUNED,
-    ctx: int = CTX, threads: Optional[int] = THREADS, gpu_layers: int = GPU_LAYERS,
-    flash_attn: Optional[bool] = FLASH_ATTN, exact: bool = EXACT_OPT, kv_type: str = KV_TYPE,
-    verbose: bool = VERBOSE,
+    opts: Options = None,
 ) -> None:
     """Chat in the terminal, streaming, multi-turn (/help inside lists the commands)."""
     from .chat import run
 
-    _logging(verbose)
-    opts = ModelOptions.from_args(locals(), fallback_mode="sd")
-    with opts.engine(progress=True) as engine:
-        _tuning_hint(engine, target)
-        run(engine, system=system, max_tokens=max_tokens, show_tiers=show_tiers, temperature=temperature,
-            seed=seed)
+    with opts.engine(mode, fallback_mode="sd", progress=True) as engine:
+        _tuning_hint(engine, opts.target)
+        _doing("the chat", "nothing was written")
+        run(engine, system=system, max_tokens=max_tokens, show_tiers=show_tiers, **opts.sampling())
 
 
 @app.command()
+@shared(MODEL_OPTS, SPEC_OPTS, RUN_OPTS)
 def serve(
     host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default)."),
-    port: int = typer.Option(8080),
-    mode: Optional[str] = typer.Option(None, help=f"Default decoding mode: {', '.join(ENGINE_MODES)}; requests may "
-                                       "set 'mode' [default: tuned, else sd].", show_default=False),
+    port: int = typer.Option(8080, help="Port to listen on."),
+    mode: Optional[str] = _mode_opt("sd", "Default decoding mode; requests may set 'mode'"),
     max_body: int = typer.Option(1 << 20, help="Largest request body in bytes."),
     max_tokens_limit: int = typer.Option(4096, help="Largest max_tokens a request may ask for."),
-    pair: Optional[str] = PAIR, target: Optional[str] = TARGET, draft: Optional[str] = DRAFT,
-    slim: Optional[str] = SLIM, draft_layers: Optional[str] = DRAFT_LAYERS, slim_layers: Optional[str] = SLIM_LAYERS,
-    n_draft: Optional[int] = N_DRAFT, p_min: Optional[float] = P_MIN, n_min: Optional[int] = N_MIN,
-    tau_accept: Optional[float] = TAU_ACCEPT, tau_full: Optional[float] = TAU_FULL, route: Optional[str] = ROUTE,
-    max_lag: Optional[int] = MAX_LAG, hier_block: Optional[int] = HIER_BLOCK, untuned: bool = UNTUNED,
-    ctx: int = CTX, threads: Optional[int] = THREADS, gpu_layers: int = GPU_LAYERS,
-    flash_attn: Optional[bool] = FLASH_ATTN, exact: bool = EXACT_OPT, kv_type: str = KV_TYPE,
-    verbose: bool = VERBOSE,
+    opts: Options = None,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)."""
-    from .server import run
+    from .server import bind, run
 
-    _logging(verbose)
-    opts = ModelOptions.from_args(locals(), fallback_mode="sd")
-    with opts.engine(progress=True) as engine:
-        _tuning_hint(engine, target)
-        mode = engine.mode
-        _err(f"via-edge serving {engine.model_name} ({mode}) on http://{host}:{port}/v1")
-        run(engine, host, port, max_body=max_body, max_tokens_limit=max_tokens_limit)
+    sock = bind(host, port)  # a busy port fails here, before a model loads
+    with sock, opts.engine(mode, fallback_mode="sd", progress=True) as engine:
+        _tuning_hint(engine, opts.target)
+        _doing("the server", "nothing was written")
+        url = f"http://{host}:{sock.getsockname()[1]}/v1"
+        run(engine, sock, on_ready=lambda: _err(f"via-edge serving {engine.model_name} ({engine.mode}) on {url}"),
+            max_body=max_body, max_tokens_limit=max_tokens_limit)
 
 
 @app.command()
+@shared()
 def tune(
     pair: Optional[str] = typer.Option(None, help="Catalog pair (default: qwen2.5-coder)."),
     fidelity_floor: float = typer.Option(0.95, help="Lossy modes (via) must keep at least this predicted "
@@ -293,8 +359,8 @@ def tune(
     heldout: int = typer.Option(4, help="Held-out prompts for the real check of the prediction."),
     verify_tokens: int = typer.Option(48, help="Tokens per held-out prompt in the real check."),
     repeats: int = typer.Option(2, help="Repeats of each cost measurement (medians kept)."),
-    ctx: int = CTX,
-    threads: Optional[int] = THREADS,
+    ctx: int = typer.Option(4096, help="Context window (tokens)."),
+    threads: Optional[int] = typer.Option(None, help="CPU threads (default: all cores)."),
     out: Optional[Path] = typer.Option(None, help="Also write report.md, tune.json and frontier.png here."),
 ) -> None:
     """Measure this machine, search the slim verifier, predict every configuration offline, check the
@@ -302,14 +368,12 @@ def tune(
     from .tune.report import write_outputs
     from .tune.tuner import TuneConfig, tune as run_tune
 
-    _logging(False)
-    for name, value, lo in (("--search-evals", search_evals, 1), ("--calib-tokens", calib_tokens, 2),
-                            ("--heldout", heldout, 1), ("--verify-tokens", verify_tokens, 2), ("--repeats", repeats, 1)):
-        if value < lo:
-            raise ViaEdgeError(f"{name} must be at least {lo}, got {value}")
+    _check_range("ctx", ctx, 16, 1 << 20)
+    _check_range("threads", threads, 1, 1024)
     cfg = TuneConfig(pair=pair, fidelity_floor=fidelity_floor, slim_budget=slim_budget, search_evals=search_evals,
                      calib_tokens=calib_tokens, heldout=heldout, verify_tokens=verify_tokens, repeats=repeats,
                      n_ctx=ctx, threads=threads)
+    _doing("tuning", "the stored choice is unchanged")
     result = run_tune(cfg)
     paths = write_outputs(result, out)
     typer.echo(result["choice"]["summary"])
@@ -336,8 +400,8 @@ def models_list() -> None:
 @models_app.command("pull")
 def models_pull(name: str = typer.Argument(..., help="Model or pair name.")) -> None:
     """Fetch a model (or both models of a pair), verify its SHA-256 and put it in place."""
-    path = catalog.pull(name)
-    typer.echo(str(path))
+    _doing(f"the download of {name}", f"the partial download is kept; `via-edge models pull {name}` resumes it")
+    typer.echo(str(catalog.pull(name)))
 
 
 @models_app.command("path")
@@ -349,6 +413,7 @@ def models_path(name: str) -> None:
 @models_app.command("verify")
 def models_verify(name: str) -> None:
     """Recompute a present model's SHA-256 against the catalog."""
+    _doing(f"the check of {name}")
     if not catalog.verify(name):
         raise ViaEdgeError(f"{name}: SHA-256 does not match the catalog; delete it and pull again")
     typer.echo(f"{name}: ok")
@@ -359,11 +424,13 @@ def models_verify(name: str) -> None:
 def slim_build(
     target: str = typer.Argument(..., help="Target GGUF path or catalog name."),
     layers: str = typer.Option(..., help="Blocks to keep, e.g. 0-20 or 0-3,14-27."),
-    out: Optional[Path] = typer.Option(None, help="Output path (default: next to the target)."),
+    out: Optional[Path] = typer.Option(None, help="Output path (default: next to the target); an existing file "
+                                       "there is replaced only if it is this very slim."),
 ) -> None:
     """Write the derived GGUF of TARGET's chosen blocks (reused when present)."""
     from .slim import build_slim
 
+    _doing("building the slim", "no file was left under the output name")
     typer.echo(str(build_slim(catalog.resolve(target, pull_missing=True), layers, out)))
 
 
@@ -400,7 +467,7 @@ def main() -> None:
         _err(f"error: {exc}")
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
-        _err("interrupted")
+        _err(f"\ninterrupted: {_activity['doing']} stopped; {_activity['kept']}")
         sys.exit(130)
     except BrokenPipeError:
         sys.exit(0)

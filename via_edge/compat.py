@@ -9,20 +9,21 @@ import time
 import uuid
 from typing import Iterator, Mapping, Sequence
 
-from .engine import Engine, Result
+from .engine import Engine, Result, Stream
 from .errors import InvalidParameterError
 
 # llama-cpp-python's create_completion defaults, so a switched program behaves the same
 DEFAULTS = dict(max_tokens=16, temperature=0.8, top_p=0.95, top_k=40, min_p=0.05)
 
 
-def timings(result: Result) -> dict:
+def timings(result: Result, digits: int = 3) -> dict:
+    """llama-server's `timings` object, with the speculative counters and tier counts."""
     s = result.stats
     return {
-        "prompt_n": s.prompt_tokens, "prompt_ms": round(s.prefill_seconds * 1e3, 3),
-        "prompt_per_second": round(s.prompt_tokens_per_second, 3),
-        "predicted_n": s.generated_tokens, "predicted_ms": round(s.generate_seconds * 1e3, 3),
-        "predicted_per_second": round(s.tokens_per_second, 3),
+        "prompt_n": s.prompt_tokens, "prompt_ms": round(s.prefill_seconds * 1e3, digits),
+        "prompt_per_second": round(s.prompt_tokens_per_second, digits),
+        "predicted_n": s.generated_tokens, "predicted_ms": round(s.generate_seconds * 1e3, digits),
+        "predicted_per_second": round(s.tokens_per_second, digits),
         "draft_n": s.draft_n, "draft_n_accepted": s.draft_n_accepted,
         "tier_a": s.tier_a, "tier_b": s.tier_b, "tier_c": s.tier_c, "mode": result.mode,
     }
@@ -53,51 +54,90 @@ def _params(kwargs: dict) -> dict:
     return out
 
 
-def create_completion(engine: Engine, prompt: str | Sequence[int], *, stream: bool = False, **kwargs):
-    params = _params(kwargs)
-    cid, created, model = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), engine.model_name
-    pieces = engine.stream(prompt, chat_template=False, **params)
+class _Shape:
+    """The fields one kind of response shares, and how its text sits in a choice."""
+
+    def __init__(self, engine: Engine, kind: str, prefix: str) -> None:
+        self.base = {"id": f"{prefix}-{uuid.uuid4().hex[:24]}", "object": kind, "created": int(time.time()),
+                     "model": engine.model_name}
+        self.chat = prefix == "chatcmpl"
+
+    def choice(self, text: str | None, finish: str | None, delta: bool) -> dict:
+        if not self.chat:
+            return {"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish}
+        if delta:
+            body = {"delta": {} if text is None else {"content": text}}
+        else:
+            body = {"message": {"role": "assistant", "content": text}}
+        return {"index": 0, **body, "logprobs": None, "finish_reason": finish}
+
+    def whole(self, res: Result) -> dict:
+        return {**self.base, "choices": [self.choice(res.text, res.finish_reason, False)],
+                "usage": usage(res), "timings": timings(res)}
+
+    def chunks(self, stream: Stream) -> Iterator[dict]:
+        if self.chat:
+            yield {**self.base, "choices": [{"index": 0, "delta": {"role": "assistant"}, "logprobs": None,
+                                             "finish_reason": None}]}
+        for piece in stream:
+            yield {**self.base, "choices": [self.choice(piece.text, None, True)]}
+        res = stream.result
+        yield {**self.base, "choices": [self.choice(None, res.finish_reason, True)], "usage": usage(res),
+               "timings": timings(res)}
+
+
+def respond(engine: Engine, tokens: Sequence[int], kind: str, stream: bool = False, **kwargs) -> dict | Iterator[dict]:
+    """A completion ("completion") or chat completion ("chat") of prompt tokens, whole or in chunks."""
+    if kind == "chat":
+        shape = _Shape(engine, "chat.completion.chunk" if stream else "chat.completion", "chatcmpl")
+    else:
+        shape = _Shape(engine, "text_completion", "cmpl")
+    pieces = engine.stream(list(tokens), **_params(kwargs))
     if stream:
-        return _completion_chunks(engine, pieces, cid, created, model)
+        return shape.chunks(pieces)
     for _ in pieces:
         pass
-    res = engine.last_result
-    return {"id": cid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"text": res.text, "index": 0, "logprobs": None, "finish_reason": res.finish_reason}],
-            "usage": usage(res), "timings": timings(res)}
+    return shape.whole(pieces.result)
 
 
-def _completion_chunks(engine, pieces, cid, created, model) -> Iterator[dict]:
-    base = {"id": cid, "object": "text_completion", "created": created, "model": model}
-    for piece in pieces:
-        yield {**base, "choices": [{"text": piece.text, "index": 0, "logprobs": None, "finish_reason": None}]}
-    res = engine.last_result
-    yield {**base, "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": res.finish_reason}],
-           "usage": usage(res), "timings": timings(res)}
+def create_completion(engine: Engine, prompt: str | Sequence[int], *, stream: bool = False,
+                      **kwargs) -> dict | Iterator[dict]:
+    """llama-cpp-python's `Llama.create_completion` on an engine (a dict, or chunks with stream=True)."""
+    return respond(engine, engine.tokens_for(prompt, chat_template=False), "completion", stream, **kwargs)
 
 
 def create_chat_completion(engine: Engine, messages: Sequence[Mapping[str, str]], *, stream: bool = False,
-                           **kwargs):
-    params = _params(kwargs)
-    cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), engine.model_name
-    pieces = engine.stream(engine.chat_prompt(messages), **params)
-    if stream:
-        return _chat_chunks(engine, pieces, cid, created, model)
-    for _ in pieces:
-        pass
-    res = engine.last_result
-    return {"id": cid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": res.text}, "logprobs": None,
-                         "finish_reason": res.finish_reason}],
-            "usage": usage(res), "timings": timings(res)}
+                           **kwargs) -> dict | Iterator[dict]:
+    """llama-cpp-python's `Llama.create_chat_completion` on an engine."""
+    return respond(engine, engine.chat_prompt(messages), "chat", stream, **kwargs)
 
 
-def _chat_chunks(engine, pieces, cid, created, model) -> Iterator[dict]:
-    base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
-    yield {**base, "choices": [{"index": 0, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None}]}
-    for piece in pieces:
-        yield {**base, "choices": [{"index": 0, "delta": {"content": piece.text}, "logprobs": None,
-                                    "finish_reason": None}]}
-    res = engine.last_result
-    yield {**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": res.finish_reason}],
-           "usage": usage(res), "timings": timings(res)}
+class Llama:
+    """llama-cpp-python's `Llama` calls on a via-edge engine: code written for it switches by
+    changing its import and constructor.
+
+        from via_edge.compat import Llama
+        llm = Llama.from_pair("qwen2.5-coder", mode="sd")   # was: Llama(model_path=...)
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    @classmethod
+    def from_pair(cls, name: str | None = None, **kwargs) -> "Llama":
+        return cls(Engine.from_pair(name, **kwargs))
+
+    def create_completion(self, prompt: str | Sequence[int], **kwargs) -> dict | Iterator[dict]:
+        return create_completion(self.engine, prompt, **kwargs)
+
+    def create_chat_completion(self, messages: Sequence[Mapping[str, str]], **kwargs) -> dict | Iterator[dict]:
+        return create_chat_completion(self.engine, messages, **kwargs)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> "Llama":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

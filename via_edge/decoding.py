@@ -18,34 +18,44 @@ follows the target's distribution exactly (Leviathan et al. 2023; Chen et al. 20
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
 from .drafters import Draft, Drafter
 from .errors import InvalidParameterError
-from .llama import LlamaModel, common_prefix
-from .sampling import SamplingParams, pick, probs, ratio_to_top, sample
+from .llama import common_prefix
+from .modes import DRAFT, SLIM, TARGET, Origin, Tier, mode_info
+from .sampling import SamplingParams, sample
+from .scores import Rows, Scorer
 from .stats import Stats
 
-MODES = ("ar", "sd", "via", "hier")
 ROUTES = ("slim", "draft", "both")
-DRAFT, SLIM, TARGET = "draft", "slim", "target"
+Committed = tuple[int, Origin, Tier]
+Resync = Callable[[int, int], "int | None"]  # (output index, token) -> the token the context continues with
+
+
+def _knob(default, help: str):
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
 class SpecParams:
-    """Speculation knobs, validated once; defaults are sane for a 2-core CPU (see docs/design.md)."""
+    """Speculation knobs, validated once; defaults are sane for a 2-core CPU (see docs/design.md).
 
-    n_draft: int = 6          # tokens the drafter proposes per round (llama.cpp --draft-max)
-    tau_accept: float = 0.9   # via: routing score at or above which a draft token is kept as is
-    tau_full: float = 0.3     # via: score below which the full target verifies
-    route: str = "slim"       # via: routing score from the slim, the draft's own probability, or both
-    max_lag: int = 32         # via: the target verifies at the latest after this many unseen tokens
-    hier_block: int = 12      # hier: tokens the slim assembles before one target verification
-    p_min: float = 0.0        # drafter stops when its top probability falls below this
-    n_min: int = 0            # ... but only after this many tokens
+    Each field's help text is the CLI's: the options of generate, chat, serve and bench are made
+    from these fields.
+    """
+
+    n_draft: int = _knob(6, "Draft tokens per round (llama.cpp --draft-max).")
+    tau_accept: float = _knob(0.9, "via: keep a draft token at or above this routing score.")
+    tau_full: float = _knob(0.3, "via: send to the target below this score (>1: always); hier: cut the block there.")
+    route: str = _knob("slim", "via: routing score from slim, draft or both.")
+    max_lag: int = _knob(32, "via: the target verifies at least every this many tokens (0: never forced).")
+    hier_block: int = _knob(12, "hier: tokens per target verification.")
+    p_min: float = _knob(0.0, "Stop drafting when the draft's top probability is below this.")
+    n_min: int = _knob(0, "Draft at least this many tokens before p_min applies.")
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_draft <= 64:
@@ -71,117 +81,129 @@ class SpecParams:
 
 
 class Decoder:
-    """Holds the models of one engine and runs one generation at a time."""
+    """Holds the models of one engine and runs one generation at a time.
 
-    def __init__(self, target: LlamaModel, drafter: Drafter | None = None, slim: LlamaModel | None = None,
+    Models are `Scorer`s: llama.cpp models in the engine, recorded traces in the tuner's replay.
+    """
+
+    def __init__(self, target: Scorer, drafter: Drafter | None = None, slim: Scorer | None = None,
                  spec: SpecParams = SpecParams()) -> None:
         self.target, self.drafter, self.slim, self.spec = target, drafter, slim, spec
 
-    def generate(self, prompt: Sequence[int], mode: str, sp: SamplingParams, max_new: int,
-                 stats: Stats) -> Iterator[tuple[int, str, str]]:
+    def generate(self, prompt: Sequence[int], mode: str, sp: SamplingParams, max_new: int, stats: Stats,
+                 resync: Resync | None = None) -> Iterator[Committed]:
         """Yield (token, origin, tier) until EOS, `max_new` tokens or a full context window.
 
         The caller may stop early (stop strings); KV caches stay consistent either way because
-        every model re-syncs to the committed context at its next call.
+        every model re-syncs to the committed context at its next call. `resync` (the replay's)
+        may put another token into the context in place of a committed one, ending the round.
         """
-        if mode not in MODES:
-            raise InvalidParameterError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if mode != "ar" and self.drafter is None:
+        info = mode_info(mode)
+        if info.drafter and self.drafter is None:
             raise InvalidParameterError(f"mode {mode} needs a drafter")
-        if mode in ("via", "hier") and self.slim is None:
+        if info.slim and self.slim is None:
             raise InvalidParameterError(f"mode {mode} needs a slim verifier")
+        rounds = {"ar": self._ar_round, "sd": self._sd_round, "via": self._via_round,
+                  "hier": self._hier_round}[info.rounds]
         rng = sp.rng()
         ctx = list(prompt)
-        rounds = {"ar": self._ar_round, "sd": self._sd_round, "via": self._via_round,
-                  "hier": self._hier_round}[mode]
         produced = 0
         while produced < max_new and len(ctx) < self.target.n_ctx:
             budget = min(max_new - produced, self.target.n_ctx - len(ctx))
             stats.rounds += 1
             for tok, origin, tier in rounds(ctx, sp, rng, stats, budget):
-                ctx.append(tok)
+                other = resync(produced, tok) if resync is not None else None
+                ctx.append(tok if other is None else other)
                 produced += 1
                 stats.count(origin, tier)
                 yield tok, origin, tier
                 if self.target.is_eog(tok) or produced >= max_new:
                     return
+                if other is not None:
+                    break
 
     # ---- shared pieces --------------------------------------------------------------------------
     def _draft(self, ctx: list[int], budget: int, sp: SamplingParams, rng: np.random.Generator,
-               stats: Stats, k: int | None = None, reserve: int = 1) -> Draft:
+               stats: Stats, k: int | None = None, reserve: int = 1, conf: bool = False) -> Draft:
         """Up to k tokens, leaving `reserve` places for the verifier's own token (budget, context)."""
         k = min(self.spec.n_draft if k is None else k, budget - reserve,
                 self.target.n_ctx - len(ctx) - reserve)
         if k <= 0:
             return Draft()
-        draft = self.drafter.propose(ctx, k, sp, rng, p_min=self.spec.p_min, n_min=self.spec.n_min)
+        draft = self.drafter.propose(ctx, k, sp, rng, p_min=self.spec.p_min, n_min=self.spec.n_min, conf=conf)
         stats.draft_n += len(draft)
         return draft
 
     @staticmethod
-    def _verify(rows: np.ndarray, tokens: Sequence[int], qs: Sequence[np.ndarray] | None,
+    def _verify(rows: Rows, tokens: Sequence[int], qs: Sequence[np.ndarray] | None,
                 sp: SamplingParams, rng: np.random.Generator) -> tuple[int, int]:
         """The sd rule: (how many of `tokens` are accepted, the verifier's next token).
 
-        rows[i] is the verifier's logits for the position of tokens[i]; rows[len] is the bonus row.
-        Greedy: longest prefix equal to the argmax. Sampling: accept with min(1, p/q), else draw
-        from the normalised residual max(0, p - q).
+        rows[i] is the verifier's prediction for the position of tokens[i]; rows[len] is the bonus
+        row. Greedy: longest prefix equal to the argmax. Sampling: accept with min(1, p/q), else
+        draw from the normalised residual max(0, p - q).
         """
         for i, tok in enumerate(tokens):
             if sp.greedy:
-                best = int(rows[i].argmax())
+                best = rows.argmax(i)
                 if best != tok:
                     return i, best
                 continue
-            p = probs(rows[i], sp)
+            p = rows.dist(i, sp)
             q = qs[i]
             if rng.random() * q[tok] < p[tok]:
                 continue
             residual = np.maximum(p - q, 0.0)
             return i, sample(residual if residual.sum() > 0 else p, rng)
-        return len(tokens), pick(rows[len(tokens)], sp, rng)
+        n = len(tokens)
+        return n, rows.argmax(n) if sp.greedy else sample(rows.dist(n, sp), rng)
 
     # ---- modes ----------------------------------------------------------------------------------
-    def _ar_round(self, ctx, sp, rng, stats, budget):
-        row = self.target.eval(ctx, 1)[0]
-        return [(pick(row, sp, rng), TARGET, "C")]
+    def _ar_round(self, ctx: list[int], sp: SamplingParams, rng: np.random.Generator, stats: Stats,
+                  budget: int) -> list[Committed]:
+        rows = self.target.eval(ctx, 1)
+        tok = rows.argmax(0) if sp.greedy else sample(rows.dist(0, sp), rng)
+        return [(tok, TARGET, "C")]
 
-    def _sd_round(self, ctx, sp, rng, stats, budget):
+    def _sd_round(self, ctx: list[int], sp: SamplingParams, rng: np.random.Generator, stats: Stats,
+                  budget: int) -> list[Committed]:
         draft = self._draft(ctx, budget, sp, rng, stats)
         if not draft.tokens:
             return self._ar_round(ctx, sp, rng, stats, budget)
         return self._target_verifies(ctx, draft.tokens, draft.q, sp, rng)
 
-    def _target_verifies(self, ctx, tokens, qs, sp, rng):
+    def _target_verifies(self, ctx: list[int], tokens: list[int], qs: Sequence[np.ndarray] | None,
+                         sp: SamplingParams, rng: np.random.Generator) -> list[Committed]:
         """One batched target call: catch up on unseen context, verify `tokens`, add its own token."""
         rows = self.target.eval(ctx + tokens, len(tokens) + 1)
         n, nxt = self._verify(rows, tokens, qs, sp, rng)
         return [(t, DRAFT, "C") for t in tokens[:n]] + [(nxt, TARGET, "C")]
 
-    def _via_round(self, ctx, sp, rng, stats, budget):
+    def _via_round(self, ctx: list[int], sp: SamplingParams, rng: np.random.Generator, stats: Stats,
+                   budget: int) -> list[Committed]:
         spec = self.spec
         # tiers A/B add no token of their own, so the draft may fill the budget, unless every
         # token goes to the target anyway (tau_full > 1), which must then behave exactly like sd
-        draft = self._draft(ctx, budget, sp, rng, stats, reserve=int(spec.tau_full > 1))
+        draft = self._draft(ctx, budget, sp, rng, stats, reserve=int(spec.tau_full > 1),
+                            conf=spec.route != "slim")
         if not draft.tokens:
             return self._ar_round(ctx, sp, rng, stats, budget)
-        lag = len(ctx) - common_prefix(self.target.tokens, ctx)
+        lag = len(ctx) - common_prefix(self.target.tokens, ctx)  # committed tokens the target has not seen
         needs_slim = spec.tau_accept > 0 and spec.tau_full <= 1 and not self._lag_exceeded(lag)
         # srows[i] is the slim's prediction for the position of draft token i
         srows = self.slim.eval(ctx + draft.tokens[:-1], len(draft)) if needs_slim else None
-        out: list[tuple[int, str, str]] = []
+        out: list[Committed] = []
         for i, tok in enumerate(draft.tokens):
             tier = self._tier(srows, draft, i, lag + len(out))
             if tier == "B":
-                regen = pick(srows[i], sp, rng)
+                regen = srows.argmax(i) if sp.greedy else sample(srows.dist(i, sp), rng)
                 if regen != tok:
                     return out + [(regen, SLIM, "B")]
-            if tier in ("A", "B"):
-                out.append((tok, DRAFT, tier))
-            else:
+            if tier == "C":
                 committed = ctx + [t for t, _, _ in out]
                 qs = draft.q[i:] if draft.q is not None else None
                 return out + self._target_verifies(committed, draft.tokens[i:], qs, sp, rng)
+            out.append((tok, DRAFT, tier))
             if self.target.is_eog(tok):
                 break
         return out
@@ -189,7 +211,7 @@ class Decoder:
     def _lag_exceeded(self, lag: int) -> bool:
         return bool(self.spec.max_lag) and lag >= self.spec.max_lag
 
-    def _tier(self, srows: np.ndarray | None, draft: Draft, i: int, lag: int) -> str:
+    def _tier(self, srows: Rows | None, draft: Draft, i: int, lag: int) -> Tier:
         spec = self.spec
         if self._lag_exceeded(lag) or spec.tau_full > 1:
             return "C"
@@ -198,14 +220,15 @@ class Decoder:
         r = self._score(srows, draft, i)
         return "A" if r >= spec.tau_accept else "B" if r >= spec.tau_full else "C"
 
-    def _score(self, srows: np.ndarray, draft: Draft, i: int) -> float:
-        tok = draft.tokens[i]
+    def _score(self, srows: Rows, draft: Draft, i: int) -> float:
+        """The routing score r of draft token i: from the slim, the draft's own probability, or both."""
         if self.spec.route == "draft":
             return draft.conf[i]
-        slim_r = ratio_to_top(srows[i], tok)
+        slim_r = srows.ratio(i, draft.tokens[i])
         return slim_r if self.spec.route == "slim" else min(slim_r, draft.conf[i])
 
-    def _hier_round(self, ctx, sp, rng, stats, budget):
+    def _hier_round(self, ctx: list[int], sp: SamplingParams, rng: np.random.Generator, stats: Stats,
+                    budget: int) -> list[Committed]:
         """The slim filters and extends drafts; the target verifies the longer block once.
 
         Draft chunks are scored by the slim as in `via`; the block is cut before the first token
@@ -223,7 +246,7 @@ class Decoder:
                 break
             srows = self.slim.eval(base + draft.tokens[:-1], len(draft))
             keep = 0
-            while keep < len(draft) and ratio_to_top(srows[keep], draft.tokens[keep]) >= self.spec.tau_full:
+            while keep < len(draft) and srows.ratio(keep, draft.tokens[keep]) >= self.spec.tau_full:
                 keep += 1
             block += draft.tokens[:keep]
             if qs is not None:

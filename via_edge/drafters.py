@@ -16,13 +16,14 @@ import numpy as np
 
 from .errors import IncompatibleModelsError, InvalidParameterError
 from .llama import LlamaModel
-from .sampling import SamplingParams, probs, ratio_to_top, sample, top_prob
+from .sampling import SamplingParams, sample
+from .scores import Scorer
 
 
 @dataclass
 class Draft:
     tokens: list[int] = field(default_factory=list)
-    conf: list[float] = field(default_factory=list)
+    conf: list[float] = field(default_factory=list)  # per token, when asked for (`draft` routing)
     q: list[np.ndarray] | None = None  # per token, when sampling
 
     def __len__(self) -> int:
@@ -30,44 +31,46 @@ class Draft:
 
 
 class Drafter(Protocol):
-    name: str
-
-    def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator,
-                p_min: float = 0.0, n_min: int = 0) -> Draft: ...
+    def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator, *,
+                p_min: float = 0.0, n_min: int = 0, conf: bool = False) -> Draft: ...
 
 
 class ModelDrafter:
-    """A small GGUF with its own KV cache, kept in sync with the context by prefix reuse."""
+    """A small GGUF with its own KV cache, kept in sync with the context by prefix reuse.
 
-    name = "draft"
+    The top probability is computed only where something reads it (p_min, or `conf` for routing
+    on the draft's confidence): it is a full pass over the vocabulary per token.
+    """
 
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: Scorer) -> None:
         self.model = model
 
-    def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator,
-                p_min: float = 0.0, n_min: int = 0) -> Draft:
+    def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator, *,
+                p_min: float = 0.0, n_min: int = 0, conf: bool = False) -> Draft:
         draft = Draft(q=None if sp.greedy else [])
-        room = self.model.n_ctx - len(context)
-        k = min(k, room)
+        k = min(k, self.model.n_ctx - len(context))
         if k <= 0:
             return draft
-        row = self.model.eval(context, 1)[0]
+        rows = self.model.eval(context, 1)
         for i in range(k):
-            best, p_best = top_prob(row)
+            best = rows.argmax(0)
+            p_best = rows.top_prob(0) if conf or (p_min > 0 and i >= n_min) else 1.0
             if i >= n_min and p_best < p_min:
                 break
             if sp.greedy:
-                tok, p_tok = best, p_best
+                tok = best
+                p_tok = p_best
             else:
-                q = probs(row, sp)
+                q = rows.dist(0, sp)
                 tok = sample(q, rng)
                 draft.q.append(q)
-                p_tok = p_best * ratio_to_top(row, tok)
+                p_tok = p_best * rows.ratio(0, tok) if conf else 1.0
             draft.tokens.append(tok)
-            draft.conf.append(p_tok)
+            if conf:
+                draft.conf.append(p_tok)
             if i + 1 == k or self.model.is_eog(tok):
                 break
-            row = self.model.decode([tok])[0]
+            rows = self.model.decode([tok])
         return draft
 
 
@@ -78,17 +81,15 @@ class PromptLookupDrafter:
     distribution is a point mass (q = one-hot), conf is 1 and p_min/n_min do not apply.
     """
 
-    name = "lookup"
-
     def __init__(self, n_vocab: int, ngram_max: int = 3, ngram_min: int = 1) -> None:
         if not 1 <= ngram_min <= ngram_max:
             raise InvalidParameterError("need 1 <= ngram_min <= ngram_max")
         self.n_vocab, self.ngram_max, self.ngram_min = n_vocab, ngram_max, ngram_min
 
-    def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator,
-                p_min: float = 0.0, n_min: int = 0) -> Draft:
+    def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator, *,
+                p_min: float = 0.0, n_min: int = 0, conf: bool = False) -> Draft:
         draft = Draft(q=None if sp.greedy else [])
-        toks = list(context)
+        toks = context if isinstance(context, list) else list(context)
         n = len(toks)
         for size in range(min(self.ngram_max, n - 1), self.ngram_min - 1, -1):
             pattern = toks[n - size:]
@@ -98,14 +99,15 @@ class PromptLookupDrafter:
                     break
             if draft.tokens:
                 break
-        draft.conf = [1.0] * len(draft.tokens)
+        if conf:
+            draft.conf = [1.0] * len(draft.tokens)
         if draft.q is not None:
             draft.q = [_one_hot(t, self.n_vocab) for t in draft.tokens]
         return draft
 
 
 def _one_hot(token: int, n_vocab: int) -> np.ndarray:
-    q = np.zeros(n_vocab)
+    q = np.zeros(n_vocab, dtype=np.float32)
     q[token] = 1.0
     return q
 

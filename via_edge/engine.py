@@ -14,18 +14,18 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
 from . import models as catalog
-from .decoding import MODES, Decoder, SpecParams
+from .decoding import Decoder, SpecParams
 from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, check_compatible
 from .errors import ContextOverflowError, InvalidParameterError
 from .llama import LlamaModel, LoadParams
+from .modes import TARGET, Mode, Origin, Tier, mode_info
 from .prompts import chat_tokens
 from .sampling import SamplingParams
+from .scores import ScoredModel
 from .slim import build_f32, build_slim, is_prefix, slice_seq_state, slim_source, target_sha256
 from .stats import Stats
 from .text import StopMatcher, StreamDecoder
 from .tuned import TunedConfig, load_choice
-
-ENGINE_MODES = MODES + ("lookup",)  # lookup = sd with the prompt-lookup drafter
 
 
 @dataclass(frozen=True)
@@ -34,24 +34,55 @@ class Piece:
 
     text: str
     token: int
-    origin: str
+    origin: Origin
 
 
 @dataclass
 class Result:
     text: str
     tokens: list[int]
-    origins: list[str]  # per token: draft, slim or target (which model produced it)
-    tiers: list[str]    # per token: A, B or C (what decided it; see Stats)
-    finish_reason: str  # "stop" (EOS or a stop string), "length", or "cancelled" (should_stop)
-    stats: Stats
-    mode: str
+    origins: list[Origin]  # per token: draft, slim or target (which model produced it)
+    tiers: list[Tier]      # per token: A, B or C (what decided it; see Stats)
+    finish_reason: str     # "stop" (EOS or a stop string), "length", or "cancelled" (should_stop, or
+    stats: Stats           # the consumer stopped reading the stream)
+    mode: Mode
     prompt_tokens: int
 
     def to_dict(self) -> dict:
         return {"text": self.text, "tokens": self.tokens, "origins": self.origins, "tiers": self.tiers,
                 "finish_reason": self.finish_reason, "mode": self.mode,
                 "prompt_tokens": self.prompt_tokens, "stats": self.stats.to_dict()}
+
+
+class Stream:
+    """The pieces of one generation as they are committed; `result` once it has ended.
+
+    The result is built in the generator's `finally`, so it is there however the stream ends:
+    drained, closed, or read early (reading `result` of a stream still running ends it, with
+    finish_reason "cancelled").
+    """
+
+    def __init__(self, run: Callable[["Stream"], Iterator[Piece]], empty: Result) -> None:
+        self._result: Result | None = None
+        self._empty = empty  # the result if it is closed before it started
+        self._gen = run(self)
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self) -> Piece:
+        return next(self._gen)
+
+    def close(self) -> None:
+        self._gen.close()
+        if self._result is None:
+            self._result = self._empty
+
+    @property
+    def result(self) -> Result:
+        if self._result is None:
+            self.close()
+        return self._result
 
 
 @dataclass
@@ -88,8 +119,7 @@ class Engine:
         pull_missing: bool = False,
         progress: Callable[[str, float], None] | None = None,
     ) -> None:
-        if mode not in ENGINE_MODES:
-            raise InvalidParameterError(f"mode must be one of {', '.join(ENGINE_MODES)}, got {mode!r}")
+        mode_info(mode)
         if slim_kv not in ("import", "prefill"):
             raise InvalidParameterError("slim_kv must be 'import' or 'prefill'")
         self.mode = mode
@@ -101,15 +131,14 @@ class Engine:
         self._pull = pull_missing
         self._f32 = f32  # run F32 copies of quantized models: see slim.build_f32
         self.target_path = self._model_path(target)
-        self.model_name = str(target) if not Path(str(target)).suffix == ".gguf" else self.target_path.stem
+        self.model_name = self.target_path.stem if Path(str(target)).suffix == ".gguf" else str(target)
         self._draft_spec, self._draft_layers = draft, draft_layers
         self._slim_spec, self._slim_layers = slim, slim_layers
         self._lookup_ngram = lookup_ngram
         self._slim_kv = slim_kv
         self.models = _Models(self._load("target", self.target_path))
         self._drafters: dict[str, Drafter] = {}
-        self.total = Stats()
-        self.last_result: Result | None = None
+        self._scored: dict[str, ScoredModel] = {}
         self.tuned: TunedConfig | None = None  # set by from_pair when a tuned choice applied
         self.prepare(mode)
 
@@ -156,39 +185,42 @@ class Engine:
 
     def prepare(self, mode: str) -> None:
         """Load whatever `mode` needs that is not loaded yet."""
-        m = self.models
-        if mode in ("sd", "via", "hier") and m.draft is None:
-            if self._draft_spec is not None:
-                path = self._model_path(self._draft_spec)
-            elif self._draft_layers:
-                path = build_slim(self.target_path, self._draft_layers)
-            else:
-                raise InvalidParameterError(f"mode {mode} needs a draft model (or draft_layers)")
-            m.draft = self._load("draft", path)
-            check_compatible(m.target, m.draft, "draft")
-        if mode in ("via", "hier") and m.slim is None:
-            if self._slim_spec is not None:
-                path = self._model_path(self._slim_spec)
-            elif self._slim_layers:
-                path = build_slim(self.target_path, self._slim_layers)
-            else:
-                raise InvalidParameterError(f"mode {mode} needs a slim verifier (or slim_layers)")
-            m.slim = self._load("slim", path)
-            check_compatible(m.target, m.slim, "slim")
-            source = slim_source(path)  # KV import only from the very target the slim was cut from
+        info, m = mode_info(mode), self.models
+        if info.draft_model and m.draft is None:
+            m.draft = self._load_derived("draft", self._draft_spec, self._draft_layers, mode)
+        if info.slim and m.slim is None:
+            m.slim = self._load_derived("slim", self._slim_spec, self._slim_layers, mode)
+            source = slim_source(m.slim.path)  # KV import only from the very target the slim was cut from
             if source and is_prefix(source[0]) and source[1] == target_sha256(self.target_path):
                 m.slim_prefix = len(source[0])
 
+    def _load_derived(self, role: str, given: str | Path | None, layers: str | None, mode: str) -> LlamaModel:
+        """The draft or slim: a given file, else a slim of the target's `layers`; checked against it."""
+        if given is not None:
+            path = self._model_path(given)
+        elif layers:
+            path = build_slim(self.target_path, layers)
+        else:
+            raise InvalidParameterError(f"mode {mode} needs a {role} model (or {role}_layers)")
+        model = self._load(role, path)
+        check_compatible(self.models.target, model, role)
+        return model
+
     def _drafter(self, mode: str) -> Drafter | None:
-        if mode == "ar":
+        kind = mode_info(mode).drafter
+        if kind is not None and kind not in self._drafters:
+            self._drafters[kind] = (PromptLookupDrafter(self.models.target.n_vocab, self._lookup_ngram)
+                                    if kind == "lookup" else ModelDrafter(self._scorer("draft")))
+        return self._drafters.get(kind) if kind else None
+
+    def _scorer(self, role: str) -> ScoredModel | None:
+        """The decoding loop's view of a loaded model (kept, so its EOG lookups are cached)."""
+        model = getattr(self.models, role)
+        if model is None:
             return None
-        kind = "lookup" if mode == "lookup" else "model"
-        if kind not in self._drafters:
-            if kind == "lookup":
-                self._drafters[kind] = PromptLookupDrafter(self.models.target.n_vocab, self._lookup_ngram)
-            else:
-                self._drafters[kind] = ModelDrafter(self.models.draft)
-        return self._drafters[kind]
+        if role not in self._scored or self._scored[role].model is not model:
+            self._scored[role] = ScoredModel(model)
+        return self._scored[role]
 
     # ---- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -226,30 +258,13 @@ class Engine:
     # ---- generation -----------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], **kwargs) -> Result:
         """Generate to completion; see `stream` for the parameters."""
-        for _ in self.stream(prompt, **kwargs):
+        stream = self.stream(prompt, **kwargs)
+        for _ in stream:
             pass
-        return self.last_result
+        return stream.result
 
     def chat(self, messages: Sequence[Mapping[str, str]], **kwargs) -> Result:
         return self.generate(self.chat_prompt(messages), **kwargs)
-
-    def create_completion(self, prompt: str | Sequence[int], **kwargs):
-        """llama-cpp-python's `Llama.create_completion` shape (dict, or chunks with stream=True).
-
-        >>> engine.create_completion("def fib(n):", max_tokens=32, temperature=0)["choices"][0]["text"]
-        """
-        from .compat import create_completion
-
-        return create_completion(self, prompt, **kwargs)
-
-    def create_chat_completion(self, messages: Sequence[Mapping[str, str]], **kwargs):
-        """llama-cpp-python's `Llama.create_chat_completion` shape (dict, or chunks with stream=True).
-
-        >>> engine.create_chat_completion([{"role": "user", "content": "Hi"}])["choices"][0]["message"]
-        """
-        from .compat import create_chat_completion
-
-        return create_chat_completion(self, messages, **kwargs)
 
     def stream(
         self,
@@ -266,16 +281,15 @@ class Engine:
         chat_template: bool = True,
         spec: SpecParams | None = None,
         should_stop: Callable[[], bool] | None = None,
-    ) -> Iterator[Piece]:
-        """Yield text pieces as tokens are committed; `self.last_result` holds the full result.
+    ) -> Stream:
+        """Text pieces as tokens are committed; the stream's `result` carries text, tokens and stats.
 
         A str prompt gets the model's chat template unless `chat_template=False`; a token list is
         used as is. `temperature=0` is greedy. `should_stop` is polled after every token (a
         server's disconnected client, say); when it returns True the result ends as "cancelled".
         """
         mode = mode or self.mode
-        if mode not in ENGINE_MODES:
-            raise InvalidParameterError(f"mode must be one of {', '.join(ENGINE_MODES)}, got {mode!r}")
+        mode_info(mode)
         if max_tokens < 1:
             raise InvalidParameterError(f"max_tokens must be >= 1, got {max_tokens}")
         sp = SamplingParams(temperature, top_k, top_p, min_p, seed)
@@ -287,65 +301,69 @@ class Engine:
             raise ContextOverflowError(f"the prompt has {len(tokens)} tokens but the context window holds "
                                        f"{self.target.n_ctx}; shorten it or raise n_ctx")
         spec = spec or self.mode_specs.get(mode) or self.spec
-        return self._run(tokens, mode, sp, max_tokens, stop, spec, should_stop)
+        empty = Result("", [], [], [], "cancelled", Stats(prompt_tokens=len(tokens)), mode, len(tokens))
+        return Stream(lambda stream: self._run(stream, tokens, mode, sp, max_tokens, stop, spec, should_stop),
+                      empty)
 
-    def _run(self, prompt: list[int], mode: str, sp: SamplingParams, max_tokens: int,
+    def _run(self, stream: Stream, prompt: list[int], mode: str, sp: SamplingParams, max_tokens: int,
              stop: Sequence[str], spec: SpecParams, should_stop: Callable[[], bool] | None) -> Iterator[Piece]:
-        m = self.models
+        info = mode_info(mode)
         stats = Stats(prompt_tokens=len(prompt))
-        loop_mode = "sd" if mode == "lookup" else mode
-        used = [("target", m.target)]
-        if mode in ("sd", "via", "hier"):  # lookup drafts without a model
-            used.append(("draft", m.draft))
-        if mode in ("via", "hier"):
-            used.append(("slim", m.slim))
+        roles = ["target"] + ["draft"] * info.draft_model + ["slim"] * info.slim
+        used = [(role, getattr(self.models, role)) for role in roles]
         before = {role: replace(model.usage) for role, model in used}
-
-        t0 = time.perf_counter()
-        self._prefill(prompt[:-1], used)
-        stats.prefill_seconds = time.perf_counter() - t0
-
-        decoder = Decoder(m.target, self._drafter(mode), m.slim, spec)
-        text_out = StreamDecoder()
-        stops = StopMatcher(stop)
+        target = self._scorer("target")
         out_tokens: list[int] = []
-        origins: list[str] = []
-        tiers: list[str] = []
+        origins: list[Origin] = []
+        tiers: list[Tier] = []
         pieces: list[str] = []
-        finish, stopped_by_string = "length", False
-        t1 = time.perf_counter()
-        gen = decoder.generate(prompt, loop_mode, sp, max_tokens, stats)
+        finish = "cancelled"  # unless the loop below says otherwise: the consumer stopped reading
+        t0 = t1 = time.perf_counter()
         try:
-            for tok, origin, tier in gen:
-                out_tokens.append(tok)
-                origins.append(origin)
-                tiers.append(tier)
-                if m.target.is_eog(tok):
-                    finish = "stop"
-                    break
-                text, stopped_by_string = stops.feed(text_out.feed(m.target.token_bytes(tok)))
-                if text:
-                    pieces.append(text)
-                    yield Piece(text, tok, origin)
-                if stopped_by_string:
-                    finish = "stop"
-                    break
-                if should_stop is not None and should_stop():
-                    finish = "cancelled"
-                    break
+            self._prefill(prompt[:-1], used)
+            t1 = time.perf_counter()
+            stats.prefill_seconds = t1 - t0
+            decoder = Decoder(target, self._drafter(mode), self._scorer("slim"), spec)
+            text_out = StreamDecoder()
+            stops = StopMatcher(stop)
+            stopped_by_string = False
+            gen = decoder.generate(prompt, mode, sp, max_tokens, stats)
+            try:
+                finish = "length"
+                for tok, origin, tier in gen:
+                    out_tokens.append(tok)
+                    origins.append(origin)
+                    tiers.append(tier)
+                    if target.is_eog(tok):
+                        finish = "stop"
+                        break
+                    text, stopped_by_string = stops.feed(text_out.feed(self.target.token_bytes(tok)))
+                    if text:
+                        pieces.append(text)
+                        finish = "cancelled"  # if the consumer stops reading at this piece
+                        yield Piece(text, tok, origin)
+                        finish = "length"
+                    if stopped_by_string:
+                        finish = "stop"
+                        break
+                    if should_stop is not None and should_stop():
+                        finish = "cancelled"
+                        break
+            finally:
+                gen.close()
+            if not stopped_by_string:  # release bytes and text held back for a match that never came
+                tail, hit = stops.feed(text_out.flush())
+                tail += "" if hit else stops.flush()
+                if tail:
+                    pieces.append(tail)
+                    kept, finish = finish, "cancelled"
+                    yield Piece(tail, out_tokens[-1] if out_tokens else -1, origins[-1] if origins else TARGET)
+                    finish = kept
         finally:
-            gen.close()
-        if not stopped_by_string:  # release bytes and text held back for a match that never came
-            tail, hit = stops.feed(text_out.flush())
-            tail += "" if hit else stops.flush()
-            if tail:
-                pieces.append(tail)
-                yield Piece(tail, out_tokens[-1] if out_tokens else -1, origins[-1] if origins else "target")
-        stats.generate_seconds = time.perf_counter() - t1
-        for role, model in used:
-            setattr(stats, role, model.usage.since(before[role]))
-        self.total += stats
-        self.last_result = Result("".join(pieces), out_tokens, origins, tiers, finish, stats, mode, len(prompt))
+            stats.generate_seconds = time.perf_counter() - t1
+            for role, model in used:
+                setattr(stats, role, model.usage.since(before[role]))
+            stream._result = Result("".join(pieces), out_tokens, origins, tiers, finish, stats, mode, len(prompt))
 
     def _prefill(self, tokens: list[int], used: list[tuple[str, LlamaModel]]) -> None:
         """Fill every model's KV with the prompt (all but its last token, which each round decodes).

@@ -62,6 +62,14 @@ def _backend_init() -> None:
         _initialized = True
 
 
+def system_info() -> str:
+    """llama.cpp's build features (SIMD, backends): part of what decides a machine's costs."""
+    try:
+        return _llama_cpp().llama_print_system_info().decode()
+    except Exception:  # a build without the call still gets a stable answer
+        return ""
+
+
 def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
@@ -348,7 +356,7 @@ class LlamaModel:
         n = len(tokens)
         if not 1 <= n_rows <= n:
             raise ValueError(f"n_rows must be in 1..{n}")
-        keep = min(common_prefix(self.tokens, tokens), n - n_rows)
+        keep = reuse_point(self.tokens, tokens, n_rows)
         self.truncate(keep)
         missing = tokens[keep:]
         first_row = len(missing) - n_rows
@@ -389,6 +397,12 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     while lo < n and a[lo] == b[lo]:
         lo += 1
     return lo
+
+
+def reuse_point(cached: Sequence[int], tokens: Sequence[int], n_rows: int) -> int:
+    """How much of a cache holding `cached` an eval of `tokens` keeps: the common prefix, but never
+    the positions whose rows are asked for (their logits must be computed)."""
+    return min(common_prefix(cached, tokens), len(tokens) - n_rows)
 
 
 class _Capture:

@@ -49,54 +49,57 @@ def ratio_to_top(row: np.ndarray, token: int) -> float:
 
 
 def top_prob(row: np.ndarray) -> tuple[int, float]:
-    """The argmax and its untempered probability."""
+    """The argmax and its untempered probability (one float32 pass over the row, no copy kept)."""
     best = int(row.argmax())
-    x = row.astype(np.float64, copy=False)
-    return best, float(1.0 / np.exp(x - x[best]).sum())
+    return best, float(1.0 / np.exp(row - row[best], dtype=np.float32).sum(dtype=np.float64))
 
 
 def probs(row: np.ndarray, sp: SamplingParams) -> np.ndarray:
-    """The full-vocabulary distribution that `sp` samples from (float64, sums to 1)."""
-    x = row.astype(np.float64)
-    x -= x.max()
-    p = np.exp(x)
-    p /= p.sum()
-    keep = None
-    if sp.top_k and sp.top_k < p.size:
-        keep = np.argpartition(-p, sp.top_k - 1)[: sp.top_k]
+    """The full-vocabulary distribution that `sp` samples from (float32, sums to 1).
+
+    Filters work on logits (the softmax is monotone), so top-k touches the row once and the
+    softmax runs over the kept candidates only; only a bare temperature pays a full-row exp.
+    """
+    x = np.asarray(row, dtype=np.float32)
+    top = x.max()
+    cand = None
+    if sp.top_k and sp.top_k < x.size:
+        cand = np.argpartition(x, x.size - sp.top_k)[x.size - sp.top_k:]
     if sp.top_p < 1.0:
-        keep = _top_p_keep(p, keep, sp.top_p)
-    if keep is not None:
-        mask = np.zeros(p.size, dtype=bool)
-        mask[keep] = True
-    else:
-        mask = np.ones(p.size, dtype=bool)
-    if sp.min_p > 0:
-        mask &= p >= sp.min_p * p.max()
-    logit = np.where(mask, x / sp.temperature, -np.inf)
-    logit -= logit.max()
-    out = np.exp(logit)
-    out /= out.sum()
+        cand = _top_p_keep(x, top, cand, sp.top_p)
+    floor = top + np.float32(np.log(sp.min_p)) if sp.min_p > 0 else None  # p >= min_p * max p
+    if cand is None:
+        e = np.exp((x - top) / np.float32(sp.temperature))
+        if floor is not None:
+            e[x < floor] = 0.0
+        return e / np.float32(e.sum(dtype=np.float64))
+    if floor is not None:
+        cand = cand[x[cand] >= floor]
+    e = np.exp((x[cand] - top) / np.float32(sp.temperature))
+    out = np.zeros(x.size, dtype=np.float32)
+    out[cand] = e / np.float32(e.sum(dtype=np.float64))
     return out
 
 
-def _top_p_keep(p: np.ndarray, keep: np.ndarray | None, top_p: float) -> np.ndarray:
-    """Smallest set of most likely tokens whose mass reaches top_p, sorting as few as possible."""
-    cand = np.arange(p.size) if keep is None else keep
-    m = min(64, cand.size)
+def _top_p_keep(x: np.ndarray, top: np.float32, cand: np.ndarray | None, top_p: float) -> np.ndarray:
+    """Smallest set of most likely candidates whose mass reaches top_p of theirs, sorting as few
+    as possible (top-p after top-k is relative to the top-k mass, as in llama.cpp's chain)."""
+    idx = np.arange(x.size) if cand is None else cand
+    w = np.exp(x[idx] - top)
+    goal = top_p * w.sum(dtype=np.float64)
+    m = min(64, idx.size)
     while True:
-        part = cand[np.argpartition(-p[cand], m - 1)[:m]] if m < cand.size else cand
-        order = part[np.argsort(-p[part], kind="stable")]
-        cum = np.cumsum(p[order])
-        total = cum[-1] if keep is None else p[cand].sum()
-        hit = np.searchsorted(cum, top_p * (total if keep is not None else 1.0))
-        if hit < order.size or m >= cand.size:
-            return order[: min(hit + 1, order.size)]
-        m = min(m * 4, cand.size)
+        part = np.argpartition(-w, m - 1)[:m] if m < idx.size else np.arange(idx.size)
+        order = part[np.argsort(-w[part], kind="stable")]
+        cum = np.cumsum(w[order], dtype=np.float64)
+        hit = int(np.searchsorted(cum, goal))
+        if hit < order.size or m >= idx.size:
+            return idx[order[: min(hit + 1, order.size)]]
+        m = min(m * 4, idx.size)
 
 
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:
-    cum = np.cumsum(p)
+    cum = np.cumsum(p, dtype=np.float64)
     return int(min(np.searchsorted(cum, rng.random() * cum[-1], side="right"), p.size - 1))
 
 

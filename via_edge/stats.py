@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from .modes import DRAFT, SLIM, Origin, Tier
+
 
 @dataclass
 class ModelUsage:
@@ -36,28 +38,25 @@ class Stats:
     tier_b_replaced: int = 0      # ... of which the slim replaced the draft token
     tier_c: int = 0               # decided by the target (accepted drafts + its own tokens)
     target_tokens: int = 0        # tokens emitted by the target itself (corrections and bonuses)
-    slim_tokens: int = 0          # tokens emitted by the slim itself (replacements, hier corrections)
     prefill_seconds: float = 0.0
     generate_seconds: float = 0.0
     draft: ModelUsage = field(default_factory=ModelUsage)
     slim: ModelUsage = field(default_factory=ModelUsage)
     target: ModelUsage = field(default_factory=ModelUsage)
 
-    def count(self, origin: str, tier: str) -> None:
+    def count(self, origin: Origin, tier: Tier) -> None:
         """Account for one committed token: who produced it and which tier decided it."""
         self.generated_tokens += 1
         if tier == "A":
             self.tier_a += 1
         elif tier == "B":
             self.tier_b += 1
-            self.tier_b_replaced += origin == "slim"
+            self.tier_b_replaced += origin == SLIM  # the slim only emits tokens of its own in tier B
         else:
             self.tier_c += 1
-        if origin == "draft":
+        if origin == DRAFT:
             self.draft_n_accepted += 1
-        elif origin == "slim":
-            self.slim_tokens += 1
-        else:
+        elif origin != SLIM:
             self.target_tokens += 1
 
     @property

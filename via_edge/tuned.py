@@ -7,40 +7,14 @@ by pair and machine, because a choice measured on one CPU says nothing about ano
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import platform
-import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from . import models as catalog
 from .decoding import SpecParams
 from .errors import ViaEdgeError
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine_key() -> str:
-    """CPU model, core count and the llama.cpp build's features: what decides the costs."""
-    from .llama import _llama_cpp
-
-    try:
-        system = _llama_cpp().llama_print_system_info().decode()
-    except Exception:  # a build without the call still gets a stable key
-        system = ""
-    slug = re.sub(r"[^a-z0-9]+", "-", cpu_name().lower()).strip("-")[:40]
-    digest = hashlib.sha256(f"{system}|{platform.machine()}".encode()).hexdigest()[:8]
-    return f"{slug}-{os.cpu_count()}c-{digest}"
+from .files import read_json
+from .machine import machine_key
 
 
 def tuned_dir() -> Path:
@@ -49,26 +23,6 @@ def tuned_dir() -> Path:
 
 def tuned_path(pair: str, kind: str) -> Path:
     return tuned_dir() / f"{pair}--{machine_key()}.{kind}.json"
-
-
-def write_text(path: Path, text: str) -> Path:
-    """All or nothing: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-    return path
-
-
-def write_json(path: Path, data: dict) -> Path:
-    return write_text(path, json.dumps(data, indent=1))
-
-
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ViaEdgeError(f"{path} is unreadable ({exc}); delete it or run `via-edge tune` again") from exc
 
 
 @dataclass

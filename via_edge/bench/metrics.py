@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from ..llama import common_prefix
+
 
 def geomean(values: Sequence[float]) -> float:
     vals = [v for v in values if v > 0]
@@ -23,13 +25,9 @@ def spread(values: Sequence[float]) -> dict:
     return {"min": s[0], "median": median, "max": s[-1]}
 
 
-def prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+def fmt(x: float | None, nd: int = 2) -> str:
+    """A number for a report table; missing or NaN as n/a."""
+    return "n/a" if x is None or x != x else f"{x:.{nd}f}"
 
 
 def fidelity(reference: Sequence[int], output: Sequence[int]) -> dict:
@@ -38,7 +36,7 @@ def fidelity(reference: Sequence[int], output: Sequence[int]) -> dict:
     exact: identical sequences. prefix: length of the identical prefix, and its share of the
     reference. agreement: position-wise equal tokens over the longer length (0..1).
     """
-    p = prefix_length(reference, output)
+    p = common_prefix(reference, output)
     longer = max(len(reference), len(output))
     same = sum(1 for x, y in zip(reference, output) if x == y)
     return {

@@ -8,9 +8,10 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..errors import InvalidParameterError
-from .metrics import fidelity, geomean, spread
-
-LOSSLESS = {"ar", "sd", "hier", "lookup", "llama-cpp-python", "llama-cpp-python-lookup"}
+from ..files import write_text
+from ..modes import LOSSLESS
+from .metrics import fidelity, fmt as _f, geomean, spread
+from .peers import PEERS
 
 
 def summarize(results: dict) -> dict:
@@ -38,7 +39,7 @@ def summarize(results: dict) -> dict:
                 "prefix_share_mean": sum(f["prefix_share"] for f in fid) / len(fid) if fid else float("nan"),
                 "agreement_mean": sum(f["agreement"] for f in fid) / len(fid) if fid else float("nan"),
             },
-            "lossless": method.split(":")[0] in LOSSLESS,  # "sd:tuned" is sd with tuned knobs
+            "lossless": method.split(":")[0] in LOSSLESS | set(PEERS),  # "sd:tuned" is sd with tuned knobs
         }
         stats = [r["stats"] for r in mine if "stats" in r]
         if stats:
@@ -61,10 +62,6 @@ def summarize(results: dict) -> dict:
             })
         summary[method] = entry
     return summary
-
-
-def _f(x: float, nd: int = 2) -> str:
-    return "n/a" if x != x else f"{x:.{nd}f}"
 
 
 def _spec_lines(params: dict) -> list[str]:
@@ -172,14 +169,9 @@ def plot(results: dict, path: Path) -> bool:
 
 
 def write_outputs(results: dict, out: Path) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    results["summary"] = summarize(results)
-    files = []
-    for name, text in (("results.json", json.dumps(results, indent=1)), ("report.md", render_markdown(results))):
-        tmp = out / (name + ".partial")
-        tmp.write_text(text)
-        tmp.replace(out / name)
-        files.append(out / name)
+    """results.json (runs and summary), report.md and speedup.png; `results` must carry its summary."""
+    files = [write_text(out / "results.json", json.dumps(results, indent=1)),
+             write_text(out / "report.md", render_markdown(results))]
     if plot(results, out / "speedup.png"):
         files.append(out / "speedup.png")
     return files

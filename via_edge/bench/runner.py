@@ -16,15 +16,17 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .. import __version__
 from .. import models as catalog
 from ..decoding import SpecParams
-from ..engine import ENGINE_MODES, Engine
+from ..engine import Engine
+from ..machine import machine, versions
+from ..modes import MODE_NAMES
 from ..errors import InvalidParameterError
 from ..llama import EXACT, EXACT_F32, default_threads
 from ..slim import target_sha256
 from ..tuned import load_choice
 from .peers import PEERS, Peer
+from .report import summarize
 from .suite import load_prompts
 
 WARMUP = "Say hello in one short sentence."
@@ -51,9 +53,9 @@ class BenchConfig:
     command: str = ""
 
     def validate(self) -> None:
-        bad = [m for m in self.modes if m not in ENGINE_MODES]
+        bad = [m for m in self.modes if m not in MODE_NAMES]
         if bad:
-            raise InvalidParameterError(f"unknown mode(s) {', '.join(bad)}; choose from {', '.join(ENGINE_MODES)}")
+            raise InvalidParameterError(f"unknown mode(s) {', '.join(bad)}; choose from {', '.join(MODE_NAMES)}")
         if "ar" not in self.modes:
             raise InvalidParameterError("--modes must include ar: every speed is a ratio to it")
         if len(set(self.modes)) != len(self.modes):
@@ -78,31 +80,6 @@ class Progress:
         sys.stderr.flush()
         if self.done == self.total:
             sys.stderr.write("\n")
-
-
-def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads_used": None, "os": platform.platform(),
-            "python": platform.python_version()}
-
-
-def versions() -> dict:
-    from importlib.metadata import version
-
-    out = {"via_edge": __version__}
-    for pkg in ("llama-cpp-python", "gguf", "numpy"):
-        try:
-            out[pkg] = version(pkg)
-        except Exception:
-            out[pkg] = None
-    return out
 
 
 def model_facts(engine: Engine) -> dict:
@@ -180,7 +157,9 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
             "methods": methods,
             "prompts": [{"id": p.id, "category": p.category, "text": p.text[:200]} for p in prompts],
         }
-        return {"meta": meta, "runs": runs}
+        results = {"meta": meta, "runs": runs}
+        results["summary"] = summarize(results)
+        return results
     finally:
         for p in peers:
             p.close()

@@ -8,12 +8,12 @@ import itertools
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Sequence
 
+from ..bench.metrics import geomean
 from ..decoding import SpecParams
 from ..drafters import PromptLookupDrafter
+from ..modes import LOSSLESS
 from .record import SlimTrace, Trace
-from .replay import Replay, geomean, predicted_agreement
-
-LOSSLESS = ("sd", "lookup", "hier")
+from .replay import predicted_agreement, replay
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Candidate:
 
     @property
     def lossless(self) -> bool:
-        return self.mode in ("ar",) + LOSSLESS
+        return self.mode in LOSSLESS
 
     def label(self) -> str:
         s, d = self.spec, SpecParams()
@@ -73,12 +73,12 @@ def predict(traces: Sequence[Trace], slim_traces: dict[str, list[SlimTrace]], sl
             cost: Callable[[str, int, int], float], eog: Sequence[int], out_length: int,
             n_vocab: int, configs: Iterable[tuple[str, SpecParams, str | None]]) -> list[Candidate]:
     """Replay every configuration on every trace, as ratios to `ar` on the same trace."""
-    ar_seconds = [Replay(t, None, "ar", SpecParams(), cost, eog).run().seconds for t in traces]
+    ar_seconds = [replay(t, None, "ar", SpecParams(), cost, eog).seconds for t in traces]
     lookup = PromptLookupDrafter(n_vocab)
     out = []
     for mode, spec, slim in configs:
-        runs = [Replay(t, slim_traces[slim][i] if slim else None, mode, spec, cost, eog,
-                       slim_model=slim_model.get(slim, "slim"), lookup=lookup if mode == "lookup" else None).run()
+        runs = [replay(t, slim_traces[slim][i] if slim else None, mode, spec, cost, eog,
+                       slim_model=slim_model.get(slim, "slim"), lookup=lookup if mode == "lookup" else None)
                 for i, t in enumerate(traces)]
         tokens = sum(len(r.tokens) for r in runs)
         seconds = sum(r.seconds for r in runs)

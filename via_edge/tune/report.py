@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..tuned import machine_key, tuned_dir, write_json, write_text
+from ..bench.metrics import fmt as _f
+from ..files import write_json, write_text
+from ..machine import machine_key
+from ..tuned import tuned_dir
 
 COLORS = {"ar": "black", "sd": "tab:blue", "lookup": "tab:green", "hier": "tab:purple", "via": "tab:orange"}
 
@@ -15,10 +18,6 @@ def write_outputs(result: dict, out: Path | None) -> list[Path]:
     paths = [write_json(folder / "tune.json", result), write_text(folder / "report.md", render_markdown(result))]
     png = plot_frontier(result, folder / "frontier.png")
     return paths + ([png] if png else [])
-
-
-def _f(x, nd: int = 2) -> str:
-    return "n/a" if x is None or x != x else f"{x:.{nd}f}"
 
 
 def render_markdown(r: dict) -> str:

@@ -23,20 +23,20 @@ from typing import Callable
 import numpy as np
 
 from .. import models as catalog
-from ..bench.metrics import fidelity
-from ..bench.runner import machine, versions
+from ..bench.metrics import fidelity, geomean
 from ..decoding import SpecParams
 from ..engine import Engine
 from ..errors import InvalidParameterError
 from ..gguf_info import read_info
 from ..llama import LlamaModel, LoadParams, default_threads
+from ..machine import machine, machine_key, versions
 from ..slim import build_slim, format_layers, is_prefix
-from ..tuned import TunedConfig, machine_key, tuned_path, write_json
+from ..files import write_json
+from ..tuned import TunedConfig, tuned_path
 from . import profile as prof
 from .choose import MEASURED_MARGIN, PREDICTED_MARGIN, Candidate, best_per_mode, choose, frontier, grid, predict
 from ..prompts import chat_tokens
 from .record import calibration_prompts, capture_names, record, slim_traces
-from .replay import geomean
 from .search import Search
 
 

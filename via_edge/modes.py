@@ -1,0 +1,50 @@
+"""The decoding modes, declared once: which models each needs, whether its output is the target's,
+and which round of the decoding loop runs it. Engine, decoding loop, bench and tune all read this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .errors import InvalidParameterError
+
+Mode = Literal["ar", "sd", "lookup", "via", "hier"]
+Origin = Literal["draft", "slim", "target"]  # which model produced a committed token
+Tier = Literal["A", "B", "C"]                # what decided it: routing alone, the slim, the target
+Drafting = Literal["model", "lookup"]
+
+DRAFT: Origin = "draft"
+SLIM: Origin = "slim"
+TARGET: Origin = "target"
+
+
+@dataclass(frozen=True)
+class ModeInfo:
+    drafter: Drafting | None  # what proposes tokens (None: nothing, the target decodes alone)
+    slim: bool                # needs the slim verifier
+    lossless: bool            # output is the target's (greedy: token for token)
+    rounds: str               # the Decoder round that runs it
+    about: str
+
+    @property
+    def draft_model(self) -> bool:
+        return self.drafter == "model"
+
+
+MODES: dict[str, ModeInfo] = {
+    "ar": ModeInfo(None, False, True, "ar", "the target alone, one token per call"),
+    "sd": ModeInfo("model", False, True, "sd", "draft model proposes, target verifies"),
+    "lookup": ModeInfo("lookup", False, True, "sd", "sd with prompt-lookup (n-gram) drafts"),
+    "via": ModeInfo("model", True, False, "via", "three tiers routed by the slim (lossy)"),
+    "hier": ModeInfo("model", True, True, "hier", "slim filters and extends drafts, target verifies"),
+}
+MODE_NAMES: tuple[str, ...] = tuple(MODES)
+LOSSLESS: frozenset[str] = frozenset(m for m, info in MODES.items() if info.lossless)
+
+
+def mode_info(mode: str) -> ModeInfo:
+    try:
+        return MODES[mode]
+    except KeyError:
+        raise InvalidParameterError(f"mode must be one of {', '.join(MODES)}, got {mode!r}") from None

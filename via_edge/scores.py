@@ -1,0 +1,86 @@
+"""The narrow interface between the decoding policy and a model: scores for the rows of one eval.
+
+The decoding loop asks a model only for what it decides with (the argmax, the routing ratio
+p(d)/max p, the top probability, the sampling distribution), each computed when asked and in
+float32. `ScoredModel` answers from llama.cpp's logits; the tuner's replay answers the same
+questions from recorded traces (`tune/replay.py`), so both drive one `Decoder`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from .llama import LlamaModel
+from .sampling import SamplingParams, probs, ratio_to_top, top_prob
+
+
+class Rows(Protocol):
+    """Row i predicts the token after position len(tokens) - len(rows) + i of the eval's tokens."""
+
+    def __len__(self) -> int: ...
+    def argmax(self, i: int) -> int: ...
+    def ratio(self, i: int, token: int) -> float: ...        # p(token) / max p, untempered
+    def top_prob(self, i: int) -> float: ...                 # max p, untempered
+    def dist(self, i: int, sp: SamplingParams) -> np.ndarray: ...  # what `sp` samples from
+
+
+class Scorer(Protocol):
+    """A model as the decoding policy sees it (see `LlamaModel.eval` for the KV contract)."""
+
+    n_ctx: int
+    tokens: list[int]  # what its KV cache holds
+
+    def eval(self, tokens: Sequence[int], n_rows: int = 1) -> Rows: ...
+    def decode(self, tokens: Sequence[int]) -> Rows: ...      # append; the last row
+    def is_eog(self, token: int) -> bool: ...
+
+
+class LogitRows:
+    """Scores over float32 logits rows (a view valid until the model's next decode)."""
+
+    __slots__ = ("logits",)
+
+    def __init__(self, logits: np.ndarray) -> None:
+        self.logits = logits
+
+    def __len__(self) -> int:
+        return len(self.logits)
+
+    def argmax(self, i: int) -> int:
+        return int(self.logits[i].argmax())
+
+    def ratio(self, i: int, token: int) -> float:
+        return ratio_to_top(self.logits[i], token)
+
+    def top_prob(self, i: int) -> float:
+        return top_prob(self.logits[i])[1]
+
+    def dist(self, i: int, sp: SamplingParams) -> np.ndarray:
+        return probs(self.logits[i], sp)
+
+
+class ScoredModel:
+    """A `LlamaModel` behind the `Scorer` interface, with end-of-generation looked up once per token."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        self.model = model
+        self.n_ctx = model.n_ctx
+        self._eog: dict[int, bool] = {}
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.model.tokens
+
+    def eval(self, tokens: Sequence[int], n_rows: int = 1) -> LogitRows:
+        return LogitRows(self.model.eval(tokens, n_rows))
+
+    def decode(self, tokens: Sequence[int]) -> LogitRows:
+        return LogitRows(self.model.decode(tokens))
+
+    def is_eog(self, token: int) -> bool:
+        hit = self._eog.get(token)
+        if hit is None:
+            hit = self._eog[token] = self.model.is_eog(token)
+        return hit
