@@ -62,3 +62,35 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_session(smollm2):
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+def test_a_message_too_long_for_the_context_keeps_the_session(tiny_target):
+    child = spawn("--target", tiny_target, "--exact", "--kv-type", "f32", "--no-flash-attn", "--ctx", "256",
+                  "-n", "16", "--mode", "ar")
+    child.sendline("a first short question")
+    child.expect_exact("> ")
+    child.sendline("long " * 600)  # far beyond the 256-token context
+    child.expect_exact("[not sent: that message is")
+    child.expect_exact("The conversation so far is kept.]")
+    child.expect_exact("> ")
+    child.sendline("/stats")
+    child.expect(r"\[mode ar\] (\d+) tokens at")  # the first answer is still counted: same session
+    assert int(child.match.group(1)) > 0
+    child.expect_exact("> ")
+    child.sendline("and a short one again")
+    assert child.expect_exact(["[oldest turns dropped", "> "]) == 1  # the history still fits
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_ctrl_c_in_a_command_says_what_it_stopped(smollm2):
+    child = pexpect.spawn(sys.executable, ["-m", "via_edge", "generate", "Write a very long essay about computers.",
+                                           "--target", str(smollm2), "-n", "3000"], encoding="utf-8", timeout=60)
+    child.expect(r"\w+ \w+ \w+")  # generating
+    child.sendintr()
+    child.expect_exact("interrupted: generation stopped; nothing was written")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 130

@@ -70,7 +70,45 @@ def test_bad_input_gives_one_clear_message(tiny_target, tmp_path):
     user_error(*base, "--target", tiny_target, "--mode", "via", "--slim-layers", "0-9",
                "--draft-layers", "0-1", match="out of range")
     user_error(*base, "--target", tiny_target, "--tau-accept", "1.5", match="tau_accept")
-    user_error(*base, "--target", tiny_target, "--max-tokens", "0", match="max_tokens")
+    user_error(*base, "--target", tiny_target, "--max-tokens", "0", match="--max-tokens must be in 1..")
+
+
+@pytest.mark.parametrize("option,value", [("--ctx", -5), ("--ctx", 0), ("--threads", 0), ("--gpu-layers", -3),
+                                          ("--max-tokens", -1)])
+def test_numeric_options_are_checked_before_loading(tiny_target, option, value):
+    """Checked up front with the range in the message, before any model loads (so a missing model
+    file is not even looked at)."""
+    proc = user_error("generate", "hi", "--target", "/nonexistent/model.gguf", option, value,
+                      match=f"{option} must be")
+    assert str(value) in proc.stderr and "not found" not in proc.stderr
+
+
+def test_long_prompts_from_stdin_and_file(tiny_target, tmp_path):
+    """Prompts past the OS argument limit (128 KiB) come from - (standard input) or --prompt-file."""
+    text = "hello world " * 12000  # 144 KB: too long for argv, and for the 256-token context
+    f = tmp_path / "p.txt"
+    f.write_text(text)
+    for args, stdin in ((["-"], text), (["--prompt-file", f], None)):
+        proc = subprocess.run([sys.executable, "-m", "via_edge", "generate", *map(str, args), "--target",
+                               str(tiny_target), "--raw", *EXACT_FLAGS], input=stdin, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2 and "context window holds 256" in proc.stderr, proc.stderr
+    short = tmp_path / "short.txt"
+    short.write_text("hello world")
+    a = cli("generate", "--prompt-file", short, "--target", tiny_target, "--raw", "-n", 8, "--json", *EXACT_FLAGS)
+    b = subprocess.run([sys.executable, "-m", "via_edge", "generate", "-", "--target", str(tiny_target), "--raw",
+                        "-n", "8", "--json", *EXACT_FLAGS], input="hello world", capture_output=True, text=True)
+    c = cli("generate", "hello world", "--target", tiny_target, "--raw", "-n", 8, "--json", *EXACT_FLAGS)
+    assert json.loads(a.stdout)["tokens"] == json.loads(b.stdout)["tokens"] == json.loads(c.stdout)["tokens"]
+    user_error("generate", "--target", tiny_target, match="no prompt")
+    user_error("generate", "--prompt-file", tmp_path / "nope.txt", "--target", tiny_target, match="cannot read")
+
+
+def test_help_keeps_the_tuned_default_notes():
+    out = " ".join(cli("generate", "--help").stdout.replace("│", " ").split())  # the help box's borders out
+    for note in ("(default: tuned, else ar)", "(default: tuned, else 6)", "(default: tuned, else 0.9)",
+                 "(default: tuned, else the catalog's)"):
+        assert note in out, note
 
 
 def test_incompatible_draft_is_refused(tiny_target, tiny_dir):

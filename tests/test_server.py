@@ -140,3 +140,64 @@ def test_closing_the_connection_cancels(smollm2):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": 5}, "stop"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2.5}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "mode": "fast"}, "mode"),
+    ({"messages": "hi"}, "messages"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_wrong_types_are_400_naming_the_field(server, body, field, stream):
+    r = httpx.post(server + "/v1/chat/completions", json={**body, "stream": stream}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and field in err["message"] and err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("prompt", [[5, 10 ** 6], [5, 2 ** 40], [5, "x"], [5, 1.5], [-1], []])
+def test_token_id_prompts_are_checked_against_the_vocabulary(server, prompt):
+    r = httpx.post(server + "/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    ok = httpx.post(server + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0},
+                    timeout=30)
+    assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == 3
+
+
+def test_chunked_body_is_cut_off_at_the_limit(server):
+    """No Content-Length: the limit applies while the body streams in. The client sends 30 KB of
+    an announced-endless chunked body and then waits: a server that read bodies whole would wait
+    too; this one answers 413 as soon as it has more than the 20,000-byte limit."""
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=15) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n")
+        for _ in range(30):
+            s.sendall(b"400\r\n" + b"x" * 1024 + b"\r\n")
+        reply = b""
+        while b"}}" not in reply and (part := s.recv(65536)):
+            reply += part
+    assert reply.startswith(b"HTTP/1.1 413") and b"body_too_large" in reply
+    ok = httpx.post(server + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200
+
+
+def test_overlong_prompt_is_400_streaming_or_not(server):
+    for stream in (False, True):
+        r = httpx.post(server + "/v1/completions", json={"prompt": "word " * 2000, "stream": stream}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+
+
+def test_busy_port_fails_before_loading(tiny_target):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        t0 = time.time()
+        proc = subprocess.run([sys.executable, "-m", "via_edge", "serve", "--port", str(port),
+                               "--target", str(tiny_target)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and f"127.0.0.1:{port}" in proc.stderr and "serving" not in proc.stderr
+    assert "loading" not in proc.stderr and "Traceback" not in proc.stderr and time.time() - t0 < 30

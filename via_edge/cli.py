@@ -181,7 +181,11 @@ def shared(*groups: tuple[Opt, ...]) -> Callable[[Callable], Callable]:
             _logging(bool(values.get("verbose")))
             if "opts" in sig.parameters:
                 kwargs["opts"] = Options(values)
-            return fn(**kwargs)
+            try:
+                return fn(**kwargs)
+            except KeyboardInterrupt:  # here, not in main(): typer turns it into a silent exit 130
+                _err(f"\ninterrupted: {_activity['doing']} stopped; {_activity['kept']}")
+                raise SystemExit(130) from None
 
         command.__signature__ = sig.replace(parameters=own + [o.parameter() for o in opts])
         command.__annotations__ = {**hints, **{o.name: o.type for o in opts}}
@@ -383,6 +387,7 @@ def tune(
 
 # ---- models ----------------------------------------------------------------------------------------
 @models_app.command("list")
+@shared()
 def models_list() -> None:
     """Known models and pairs, where they are and whether they are present."""
     typer.echo(f"model dir: {catalog.model_dir()}  (set VIA_EDGE_MODEL_DIR to change)")
@@ -398,6 +403,7 @@ def models_list() -> None:
 
 
 @models_app.command("pull")
+@shared()
 def models_pull(name: str = typer.Argument(..., help="Model or pair name.")) -> None:
     """Fetch a model (or both models of a pair), verify its SHA-256 and put it in place."""
     _doing(f"the download of {name}", f"the partial download is kept; `via-edge models pull {name}` resumes it")
@@ -405,12 +411,14 @@ def models_pull(name: str = typer.Argument(..., help="Model or pair name.")) -> 
 
 
 @models_app.command("path")
+@shared()
 def models_path(name: str) -> None:
     """Print the file of a present model (exit 2 if it is not downloaded)."""
     typer.echo(str(catalog.resolve(name)))
 
 
 @models_app.command("verify")
+@shared()
 def models_verify(name: str) -> None:
     """Recompute a present model's SHA-256 against the catalog."""
     _doing(f"the check of {name}")
@@ -421,6 +429,7 @@ def models_verify(name: str) -> None:
 
 # ---- slim ------------------------------------------------------------------------------------------
 @slim_app.command("build")
+@shared()
 def slim_build(
     target: str = typer.Argument(..., help="Target GGUF path or catalog name."),
     layers: str = typer.Option(..., help="Blocks to keep, e.g. 0-20 or 0-3,14-27."),

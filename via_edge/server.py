@@ -13,6 +13,7 @@ JSON with status 400 (413 for a body too large) naming the field, streaming or n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -108,13 +109,16 @@ def _invalid(exc: ValidationError) -> _HTTPError:
 
 def create_app(engine: Engine, *, max_body: int = MAX_BODY, max_tokens_limit: int = 4096,
                on_ready: Callable[[], None] | None = None) -> FastAPI:
-    app = FastAPI(title="via-edge", version="0.1")
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        if on_ready is not None:  # the socket is listening by now: say so
+            on_ready()
+        yield
+
+    app = FastAPI(title="via-edge", version="0.1", lifespan=lifespan)
     turn = asyncio.Lock()
     state = {"served": 0, "cancelled": 0, "started": time.time()}
     engine_lock = threading.Lock()  # held by the worker thread for as long as it uses the engine
-
-    if on_ready is not None:
-        app.add_event_handler("startup", on_ready)
 
     def finished(finish_reason: str | None) -> None:
         state["served"] += 1
