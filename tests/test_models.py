@@ -161,3 +161,33 @@ def test_real_catalog_is_complete(monkeypatch):
     assert cat["default_pair"] == "qwen2.5-coder"
     pair = cat["pairs"]["qwen2.5-coder"]
     assert (pair["target"], pair["draft"]) == ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")
+
+
+def test_pull_checks_a_present_file_once(index, tmp_path, monkeypatch):
+    """A damaged file of the right size is not accepted: pull verifies its SHA-256, deletes it and
+    fetches it again; a verified file is remembered by size and mtime, so later pulls do not hash."""
+    path = models.pull("tiny", quiet=True)
+    damaged = bytearray(PAYLOAD)
+    damaged[5000] ^= 0xFF
+    path.write_bytes(bytes(damaged))
+    assert models.pull("tiny", quiet=True).read_bytes() == PAYLOAD
+    hashed = []
+    monkeypatch.setattr(models, "sha256_file", lambda p, progress=None: hashed.append(p) or "x")
+    assert models.pull("tiny", quiet=True) == path and hashed == []  # remembered: no second hash
+
+
+def test_resumed_download_rate_counts_only_new_bytes(capsys):
+    bar = models.Progress("x", 10_000_000)
+    bar.resume(9_000_000)  # already on disk from an earlier run
+    bar.t0 -= 1.0          # one second into this run
+    bar.update(1_000_000)
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    rate = float(line.split("MB/s")[0].split()[-1])
+    assert 0.5 < rate < 1.5, line  # about 1 MB in about 1 s, not 10 MB/s
+
+
+def test_unknown_model_message_names_pairs(index):
+    with pytest.raises(CatalogError, match=r"known models: tiny; pairs: p"):
+        models.resolve("nope")
+    with pytest.raises(CatalogError, match="a pair"):
+        models.entry("p")

@@ -167,3 +167,28 @@ def test_f32_copy_of_a_quantized_model(tiny_q8, tmp_path):
     with LlamaModel(src, PARAMS) as q, LlamaModel(f32, PARAMS) as f:
         toks = q.tokenize("dequantized weights compute the same model")
         assert (q.eval(toks, len(toks)).argmax(1) == f.eval(toks, len(toks)).argmax(1)).mean() > 0.8
+
+
+def test_slim_build_never_overwrites_an_unrelated_file(tiny_target, tmp_path):
+    from via_edge.errors import ModelFileError
+
+    other = tmp_path / "mine.gguf"
+    other.write_bytes(b"my own notes")
+    with pytest.raises(ModelFileError, match="is not the slim 0-1"):
+        build_slim(tiny_target, "0-1", other)
+    assert other.read_bytes() == b"my own notes"
+    built = build_slim(tiny_target, "0-1", tmp_path / "s.gguf")
+    assert build_slim(tiny_target, "0-1", built) == built  # the very slim: reused
+    with pytest.raises(ModelFileError, match="is not the slim 0-2"):
+        build_slim(tiny_target, "0-2", built)
+
+
+def test_bad_layer_sets_fail_before_weights_load(tiny_target, monkeypatch):
+    from via_edge import Engine, llama
+    from via_edge.errors import LayerSpecError
+
+    loads = []
+    monkeypatch.setattr(llama.LlamaModel, "__init__", lambda self, *a, **k: loads.append(a))
+    with pytest.raises(LayerSpecError, match="out of range"):
+        Engine(tiny_target, slim_layers="0-9", mode="via")
+    assert loads == []

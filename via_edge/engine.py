@@ -22,7 +22,8 @@ from .modes import TARGET, Mode, Origin, Tier, mode_info
 from .prompts import chat_tokens
 from .sampling import SamplingParams
 from .scores import ScoredModel
-from .slim import build_f32, build_slim, is_prefix, slice_seq_state, slim_source, target_sha256
+from .gguf_info import read_info
+from .slim import build_f32, build_slim, is_prefix, parse_layers, slice_seq_state, slim_source, target_sha256
 from .stats import Stats
 from .text import StopMatcher, StreamDecoder
 from .tuned import TunedConfig, load_choice
@@ -132,6 +133,10 @@ class Engine:
         self._f32 = f32  # run F32 copies of quantized models: see slim.build_f32
         self.target_path = self._model_path(target)
         self.model_name = self.target_path.stem if Path(str(target)).suffix == ".gguf" else str(target)
+        n_block = read_info(self.target_path).block_count  # bad layer sets fail before weights load
+        for layers in (draft_layers, slim_layers):
+            if layers:
+                parse_layers(layers, n_block)
         self._draft_spec, self._draft_layers = draft, draft_layers
         self._slim_spec, self._slim_layers = slim, slim_layers
         self._lookup_ngram = lookup_ngram

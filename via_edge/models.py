@@ -90,9 +90,12 @@ class Entry:
 
 
 def entry(name: str) -> Entry:
-    models = load_catalog()["models"]
+    cat = load_catalog()
+    models = cat["models"]
     if name not in models:
-        raise CatalogError(f"unknown model '{name}'; known: {', '.join(sorted(models))}")
+        hint = " (a pair: use --pair or `models pull`)" if name in cat["pairs"] else ""
+        raise CatalogError(f"unknown model '{name}'{hint}; known models: {', '.join(sorted(models))}; "
+                           f"pairs: {', '.join(sorted(cat['pairs']))}")
     return Entry(name, models[name])
 
 
@@ -132,8 +135,13 @@ class Progress:
     def __init__(self, label: str, total: int, quiet: bool = False) -> None:
         self.label, self.total, self.quiet = label, total, quiet
         self.done = 0
+        self.resumed = 0  # bytes already there when this run started: not part of its rate
         self.t0 = time.monotonic()
         self._last = 0.0
+
+    def resume(self, n: int) -> None:
+        self.done += n
+        self.resumed += n
 
     def update(self, n: int) -> None:
         self.done += n
@@ -141,7 +149,7 @@ class Progress:
         if not self.quiet and (now - self._last > 0.2 or self.done >= self.total):
             self._last = now
             frac = self.done / self.total if self.total else 0.0
-            rate = self.done / max(now - self.t0, 1e-6) / 1e6
+            rate = (self.done - self.resumed) / max(now - self.t0, 1e-6) / 1e6
             bar = "#" * int(frac * 30)
             sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac:6.1%} {self.done / 1e6:8.1f} MB {rate:6.1f} MB/s")
             sys.stderr.flush()
@@ -159,6 +167,30 @@ def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> st
             if progress:
                 progress(len(block))
     return h.hexdigest()
+
+
+def sha256_cached(path: Path, progress: Callable[[int], None] | None = None) -> str:
+    """SHA-256 of a model file, remembered in a sidecar keyed by size and mtime (files are large)."""
+    st = path.stat()
+    key = f"{st.st_size}:{st.st_mtime_ns}"
+    side = path.with_name("." + path.name + ".sha256")
+    try:
+        cached = json.loads(side.read_text())
+        if cached.get("key") == key:
+            return cached["sha256"]
+    except (OSError, ValueError):
+        pass
+    return _remember_sha256(path, sha256_file(path, progress))
+
+
+def _remember_sha256(path: Path, digest: str) -> str:
+    st = path.stat()
+    try:
+        path.with_name("." + path.name + ".sha256").write_text(
+            json.dumps({"key": f"{st.st_size}:{st.st_mtime_ns}", "sha256": digest}))
+    except OSError:
+        pass
+    return digest
 
 
 def _sources() -> list[str]:
@@ -192,7 +224,7 @@ def download(url: str, dest: Path, *, size: int | None, sha256: str | None, labe
             start = 0
         total = size or (start + int(resp.headers.get("Content-Length") or 0))
         bar = Progress(label, total, quiet)
-        bar.update(start)
+        bar.resume(start)
         with open(part, "ab" if start else "wb") as out:
             try:
                 while block := resp.read(CHUNK):
@@ -277,8 +309,18 @@ def pull(name: str, *, quiet: bool = False) -> Path:
         return paths[-1]
     e = entry(name)
     found = e.installed_path()
-    if found:
-        return found
+    if found:  # right size; its SHA-256 is checked once, then remembered by size and mtime
+        bar = Progress(f"verify {name}", e.size, quiet)
+        ok = sha256_cached(found, bar.update) == e.sha256
+        bar.close()
+        if ok:
+            return found
+        if found.parent != model_dir():
+            raise DownloadError(f"{found} (installed by a Python package) fails its SHA-256 check; reinstall "
+                                "that package")
+        if not quiet:
+            sys.stderr.write(f"{found} fails its SHA-256 check (damaged); deleting it and fetching {name} again\n")
+        found.unlink()
     final = model_dir() / e.file
     final.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(final.parent).free
@@ -306,6 +348,7 @@ def pull(name: str, *, quiet: bool = False) -> Path:
                           f"expected {e.size:,} bytes and {e.sha256[:16]}…")
             continue
         part.replace(final)
+        _remember_sha256(final, e.sha256)  # verified while assembled: the next pull need not hash it
         return final
     raise DownloadError(f"could not fetch {name}:\n  " + "\n  ".join(errors or ["no usable source"]))
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import LayerSpecError, ModelFileError
+from .errors import LayerSpecError, ModelFileError, ViaEdgeError
 from .gguf_info import field_value, open_reader
-from .models import model_dir, sha256_file
+from .models import model_dir, sha256_cached as target_sha256
 
 # architectures whose layers alternate attention kinds by index (period): renumbering must keep
 # every kept block's index modulo the period, or its sliding-window/global kind changes
@@ -87,25 +87,6 @@ def check_supported(arch: str, n_block: int, layers: tuple[int, ...], nextn: int
                              "keep a prefix or shift by whole periods")
 
 
-def target_sha256(path: Path) -> str:
-    """SHA-256 of a model file, remembered in a sidecar keyed by size and mtime (files are large)."""
-    st = path.stat()
-    key = f"{st.st_size}:{st.st_mtime_ns}"
-    side = path.with_name("." + path.name + ".sha256")
-    try:
-        cached = json.loads(side.read_text())
-        if cached.get("key") == key:
-            return cached["sha256"]
-    except (OSError, ValueError):
-        pass
-    digest = sha256_file(path)
-    try:
-        side.write_text(json.dumps({"key": key, "sha256": digest}))
-    except OSError:
-        pass
-    return digest
-
-
 def derived_dir(source: Path) -> Path:
     """Derived files go next to their source, unless that is read-only or inside a Python package."""
     if os.access(source.parent, os.W_OK) and "site-packages" not in source.parts:
@@ -150,7 +131,11 @@ def build_slim(target: str | os.PathLike, spec: str, out: str | os.PathLike | No
     sha = target_sha256(target)
     dest = Path(out) if out else slim_path(target, layers, sha)
     if dest.exists():
-        return dest
+        if _is_slim_of(dest, layers, sha):
+            return dest
+        if out is not None:  # never replace a file that is not this very slim, never report it built
+            raise ModelFileError(f"{dest} exists and is not the slim {format_layers(layers)} of {target.name}; "
+                                 "remove it or choose another --out")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(dest.name + ".partial")
     renumber = {old: new for new, old in enumerate(layers)}
@@ -193,6 +178,13 @@ def build_slim(target: str | os.PathLike, spec: str, out: str | os.PathLike | No
         writer.add_tensor_info(name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
     _write_atomically(writer, tmp, dest, (t.data for _, t in kept))
     return dest
+
+
+def _is_slim_of(path: Path, layers: tuple[int, ...], sha: str) -> bool:
+    try:
+        return slim_source(path) == (layers, sha)
+    except ViaEdgeError:  # not a GGUF, truncated, or a foreign layer set
+        return False
 
 
 def build_f32(source: str | os.PathLike) -> Path:
