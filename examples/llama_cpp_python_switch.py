@@ -1,8 +1,8 @@
 """Code written for llama-cpp-python's Llama keeps working: same call, same response shape."""
 
-from via_edge import Engine
+from via_edge.compat import Llama  # was: from llama_cpp import Llama
 
-llm = Engine.from_pair("qwen2.5-coder", mode="sd")  # was: Llama(model_path=...)
+llm = Llama.from_pair("qwen2.5-coder", mode="sd")  # was: Llama(model_path=...)
 out = llm.create_chat_completion(messages=[{"role": "user", "content": "Name three sorting algorithms."}],
                                  max_tokens=64, temperature=0)
 print(out["choices"][0]["message"]["content"])
