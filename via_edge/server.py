@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
-from .compat import respond
+from .compat import DEFAULTS, respond
 from .engine import Engine
 from .errors import ViaEdgeError
 from .modes import MODE_NAMES
@@ -157,7 +157,7 @@ def create_app(engine: Engine, *, max_body: int = MAX_BODY, max_tokens_limit: in
         out["max_tokens"] = mt if mt is not None else min(256, max_tokens_limit)
         sampling = {k: out[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed") if k in out}
         try:
-            SamplingParams(**{**dict(temperature=0.8, top_p=0.95, top_k=40, min_p=0.05), **sampling})
+            SamplingParams(**{k: DEFAULTS[k] for k in ("temperature", "top_p", "top_k", "min_p")} | sampling)
         except ViaEdgeError as exc:
             raise _HTTPError(400, str(exc), param=str(exc).split(" ", 1)[0], code="invalid_value") from exc
         return out
