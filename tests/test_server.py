@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from conftest import EXACT  # noqa: F401  (the server below runs the exact flags)
+from via_edge import Engine
 
 PROMPTS = [f"prompt number {i}: tell me about {w}" for i, w in
            enumerate(["cats", "dogs", "rain", "code", "tea", "maps", "jazz", "snow"])]
@@ -64,14 +65,19 @@ def test_models_and_health(client, server):
     assert httpx.get(server + "/health").json()["status"] == "ok"
 
 
-def test_chat_streaming_equals_non_streaming(client):
+def test_chat_streaming_equals_non_streaming(client, tiny_target):
     kw = dict(model=model_id(client), messages=[{"role": "user", "content": "hello there"}], max_tokens=24,
               temperature=0)
     full = client.chat.completions.create(**kw)
     assert full.choices[0].finish_reason in ("stop", "length") and full.usage.completion_tokens > 0
     assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
     timings = full.model_extra["timings"]
-    assert timings["draft_n"] >= timings["draft_n_accepted"] and timings["mode"] == "sd"
+    # the same request on an engine in this process (same exact kernels) is the oracle for the counters
+    with Engine(tiny_target, draft_layers="0-1", mode="sd", n_ctx=512, kv_type="f32", flash_attn=False,
+                use_extra_bufts=False) as engine:
+        ref = engine.chat([{"role": "user", "content": "hello there"}], max_tokens=24)
+    assert full.choices[0].message.content == ref.text and timings["mode"] == "sd"
+    assert (timings["draft_n"], timings["draft_n_accepted"]) == (ref.stats.draft_n, ref.stats.draft_n_accepted)
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True))
     assert streamed == full.choices[0].message.content
 
