@@ -105,6 +105,10 @@ def test_bench_quick_end_to_end(tmp_path):
     via = [r for r in runs if r["method"] == "via"]
     assert summary["via"]["tier_shares"]["A"] == pytest.approx(  # shares recomputed from the runs' own tiers
         sum(r["tiers"].count("A") for r in via) / sum(len(r["tiers"]) for r in via))
-    assert "| via (lossy) |" in (out / "report.md").read_text()
+    assert set(meta["formats"].values()) == {meta["formats"]["ar"]} == {"F32"}  # one file, and the peers run it too
+    peer = {r["prompt_id"]: r["tok_s"] for r in runs if r["method"] == "llama-cpp-python"}
+    vs = [r["tok_s"] / peer[r["prompt_id"]] for r in runs if r["method"] == "ar"]
+    assert summary["ar"]["speedup_vs_peer"] == pytest.approx(math.exp(sum(map(math.log, vs)) / len(vs)))
+    assert "| via (lossy) | F32 |" in (out / "report.md").read_text()
     diff = cli("bench", "--compare", out, out / "results.json")
     assert diff.returncode == 0 and "| sd |" in diff.stdout and "+0.0%" in diff.stdout

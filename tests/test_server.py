@@ -62,7 +62,8 @@ def model_id(client):
 
 def test_models_and_health(client, server):
     assert model_id(client) == "target"
-    assert httpx.get(server + "/health").json()["status"] == "ok"
+    health = httpx.get(server + "/health").json()
+    assert health["status"] == "ok" and health["weights"] == "F32"  # the tiny target's own type
 
 
 def test_chat_streaming_equals_non_streaming(client, tiny_target):

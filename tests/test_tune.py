@@ -7,6 +7,8 @@ import subprocess
 import sys
 from dataclasses import replace
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -162,7 +164,7 @@ def test_never_slower_rule(draft_cost, expect_ar):
     cands = predict(traces, slims, {"0-1": "slim-2"}, linear_cost(draft_cost), eog=[], out_length=128,
                     n_vocab=1000, configs=grid(["0-1"]))
     best = best_per_mode(cands, 0.95)
-    chosen = choose(best)
+    chosen = choose(best, best["ar"])
     assert (chosen.mode == "ar") == expect_ar
     if expect_ar:
         assert all(c.speedup < 1.0 for m, c in best.items() if m != "ar")
@@ -181,10 +183,61 @@ def test_final_choice_needs_both_margins():
             "sd": Candidate("sd", SpecParams(n_draft=3), speedup=1.20)}
     checks = {m: {"measured_speedup": v, "measured_agreement": 1.0} for m, v in
               (("ar", 1.0), ("lookup", 1.11), ("sd", 1.02))}
-    final, why = _final_choice(choose(best), best, checks, 0.95)
+    final, why = _final_choice(choose(best, best["ar"]), best, checks, 0.95, best["ar"])
     assert final.mode == "ar" and "chose ar" in why  # sd measured too slow, lookup predicted too slow
     checks["sd"]["measured_speedup"] = 1.08
-    assert _final_choice(choose(best), best, checks, 0.95)[0].mode == "sd"
+    assert _final_choice(choose(best, best["ar"]), best, checks, 0.95, best["ar"])[0].mode == "sd"
+
+
+def format_rows(agreements: dict[str, float], n1_ms: dict[str, float]):
+    """Synthetic survey rows: the shipped file plus variants with given quality and n=1 cost."""
+    from via_edge.quality import Quality
+    from via_edge.tune.survey import FormatRow
+
+    rows = [FormatRow("target", "shipped", Path("s.gguf"), 1, {1: n1_ms["shipped"] / 1e3, 8: 0.3})]
+    for f, a in agreements.items():
+        rows.append(FormatRow("target", f, Path(f"{f}.gguf"), 1, {1: n1_ms[f] / 1e3, 8: 0.2},
+                              Quality(a, 0.1, 10.0, 9.0, 500)))
+    return rows
+
+
+def test_format_is_picked_only_when_it_clears_the_quality_floor():
+    """The fastest format wins only above the floor; below it the next fastest passing one, and the
+    shipped file when none passes (a floor of 0 admits everything, 1 only the shipped file)."""
+    from via_edge.tune.survey import pick
+
+    rows = format_rows({"q4_0": 0.88, "iq4_nl": 0.93, "q4_k": 0.97}, {"shipped": 50, "q4_0": 33, "iq4_nl": 42, "q4_k": 47})
+    assert pick(rows, 0.90).format == "iq4_nl"
+    assert pick(rows, 0.85).format == "q4_0"
+    assert pick(rows, 0.95).format == "q4_k"
+    assert pick(rows, 1.0).format == "shipped"
+    assert pick(rows, 0.0).format == "q4_0"
+
+
+def test_tune_choice_across_formats_needs_quality_and_margins():
+    """A faster format's plain decoding is a legitimate choice, priced against ar on the shipped
+    file; a format whose costs do not clear the margin leaves ar on the shipped file."""
+    from via_edge.tune.choose import Candidate
+    from via_edge.tune.profile import CostProfile
+    from via_edge.tune.tuner import _final_choice
+
+    base = Candidate("ar", SpecParams())
+    traces = synthetic_traces(0.9)
+    prof = CostProfile([1, 2, 4, 8, 16], [64, 1024], {"target": [[1.0, 1.1, 1.3, 1.7, 2.5]] * 2,
+                                                      "draft": [[0.5] * 5] * 2}, {"target": 4, "draft": 2})
+    for ratio, chosen_fmt in ((0.66, "q4_0"), (0.95, "shipped")):
+        cands = [base] + predict(traces, {}, {}, prof.scaled({1: ratio, 16: ratio}), eog=[], out_length=128,
+                                 n_vocab=1000, configs=[("ar", SpecParams(), None)], fmt="q4_0", baseline=prof.cost)
+        assert cands[1].speedup == pytest.approx(1 / ratio)
+        chosen = choose(best_per_mode(cands, 0.95), base)
+        assert chosen.format == chosen_fmt
+    # the real run must agree: the q4_0 ar measured only 3% faster falls back to the shipped file
+    best = {"ar": Candidate("ar", SpecParams(), speedup=1.5, format="q4_0")}
+    assert _final_choice(best["ar"], best, {"ar": {"measured_speedup": 1.48, "measured_agreement": 0.9}},
+                         0.95, base)[0].format == "q4_0"
+    final, why = _final_choice(best["ar"], best, {"ar": {"measured_speedup": 1.03, "measured_agreement": 0.9}},
+                               0.95, base)
+    assert final is base and "chose ar" in why
 
 
 def test_predicted_agreement():
@@ -290,7 +343,8 @@ def test_bench_runs_tuned_beside_default(model_dir, smollm2):
 def test_tune_command_end_to_end(model_dir, smollm2):
     """The real command on SmolLM2 at its smallest settings: profile, choice and report written."""
     out = cli("tune", "--pair", "smollm2", "--repeats", 1, "--search-evals", 3, "--calib-tokens", 12, "--heldout", 1,
-              "--verify-tokens", 12, "--ctx", 1536, "--out", model_dir / "report")
+              "--verify-tokens", 12, "--ctx", 1536, "--formats", "shipped,q4_0", "--quality-floor", 0,
+              "--out", model_dir / "report")
     assert out.returncode == 0, out.stderr[-3000:]
     choice = json.loads(next((model_dir / "tuned").glob("smollm2--*.choice.json")).read_text())
     profile = json.loads(next((model_dir / "tuned").glob("smollm2--*.profile.json")).read_text())
@@ -303,6 +357,13 @@ def test_tune_command_end_to_end(model_dir, smollm2):
         assert check["tok_s"] > 0 and min(check["speedup_spread"]) <= check["measured_speedup"] <= max(
             check["speedup_spread"]), mode
     assert {c["mode"] for c in result["candidates"]} == {"ar", "sd", "lookup", "hier", "via"}
+    # the format step: measured rows for both formats, and with floor 0 every mode replayed on q4_0 too
+    rows = result["formats"]["target"]
+    assert [r["format"] for r in rows] == ["shipped", "q4_0"] and rows[1]["quality"]["positions"] > 0
+    assert all(r["cost_ms"]["1"] > 0 for r in rows)
+    assert {c["mode"] for c in result["candidates"] if c["format"] == "q4_0"} == {"ar", "sd", "lookup", "hier", "via"}
+    assert choice["target_format"] in ("shipped", "q4_0") and choice["draft_format"] == "shipped"
+    assert all(c["format"] == choice["target_format"] for c in result["best"].values())
     assert (model_dir / "report" / "report.md").read_text().startswith("# via-edge tune: smollm2")
     bad = cli("tune", "--pair", "smollm2", "--slim-budget", "1.5")
     assert bad.returncode == 2 and "slim-budget" in bad.stderr and "Traceback" not in bad.stderr

@@ -22,9 +22,11 @@ import typer
 from . import models as catalog
 from .decoding import SpecParams
 from .engine import Engine
-from .errors import ViaEdgeError
+from .errors import InvalidParameterError, ViaEdgeError
+from .formats import FORMAT_NAMES, check_names
 from .llama import EXACT
 from .modes import MODE_NAMES
+from .tune.survey import QUALITY_FLOOR, check_floor
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="Speculative decoding with intra-model routing (VIA-SD) on llama.cpp.")
@@ -365,18 +367,25 @@ def tune(
     repeats: int = typer.Option(2, help="Repeats of each cost measurement (medians kept)."),
     ctx: int = typer.Option(4096, help="Context window (tokens)."),
     threads: Optional[int] = typer.Option(None, help="CPU threads (default: all cores)."),
+    formats_list: str = typer.Option(",".join(FORMAT_NAMES), "--formats", help="Weight formats to try for target "
+                                     "and draft (comma-separated; 'shipped' alone skips the format step)."),
+    quality_floor: float = typer.Option(QUALITY_FLOOR, help="A derived format must keep at least this teacher-forced "
+                                        "top-1 agreement with the shipped file (0..1)."),
     out: Optional[Path] = typer.Option(None, help="Also write report.md, tune.json and frontier.png here."),
 ) -> None:
-    """Measure this machine, search the slim verifier, predict every configuration offline, check the
-    prediction with a real run, and store the choice generate, chat, serve and the API then use."""
+    """Measure this machine, try faster weight formats, search the slim verifier, predict every
+    configuration offline, check the prediction with a real run, and store the choice generate,
+    chat, serve and the API then use."""
     from .tune.report import write_outputs
     from .tune.tuner import TuneConfig, tune as run_tune
 
     _check_range("ctx", ctx, 16, 1 << 20)
     _check_range("threads", threads, 1, 1024)
+    names = _format_names(formats_list)
+    check_floor(quality_floor)
     cfg = TuneConfig(pair=pair, fidelity_floor=fidelity_floor, slim_budget=slim_budget, search_evals=search_evals,
                      calib_tokens=calib_tokens, heldout=heldout, verify_tokens=verify_tokens, repeats=repeats,
-                     n_ctx=ctx, threads=threads)
+                     n_ctx=ctx, threads=threads, formats=names, quality_floor=quality_floor)
     _doing("tuning", "the stored choice is unchanged")
     result = run_tune(cfg)
     paths = write_outputs(result, out)
@@ -425,6 +434,70 @@ def models_verify(name: str) -> None:
     if not catalog.verify(name):
         raise ViaEdgeError(f"{name}: SHA-256 does not match the catalog; delete it and pull again")
     typer.echo(f"{name}: ok")
+
+
+@models_app.command("optimize")
+@shared()
+def models_optimize(
+    name: str = typer.Argument(..., help="Pair, catalog model or GGUF path."),
+    formats_list: str = typer.Option(",".join(FORMAT_NAMES), "--formats", help="Formats to derive and measure "
+                                     "(comma-separated)."),
+    quality_floor: float = typer.Option(QUALITY_FLOOR, help="Teacher-forced top-1 agreement with the source a "
+                                        "format must keep to be picked (0..1)."),
+    prompts: int = typer.Option(12, help="Calibration prompts (Spec-Bench, one per category) for the quality figures."),
+    tokens: int = typer.Option(48, help="Source tokens per calibration prompt."),
+    repeats: int = typer.Option(5, help="Repeats of each cost measurement (medians kept)."),
+    threads: Optional[int] = typer.Option(None, help="CPU threads (default: all cores)."),
+    out: Optional[Path] = typer.Option(None, help="Also write the table (optimize.md) and figures (optimize.json) "
+                                       "into this folder."),
+) -> None:
+    """The format step of `via-edge tune` alone: derive each weight format of the model(s), print
+    what decoding 1, 4 and 8 tokens costs in each on this machine and how far each departs from
+    the source (agreement, KL, perplexity), and which format plain decoding would run fastest in."""
+    from .files import write_json, write_text
+    from .llama import LlamaModel, LoadParams
+    from .prompts import chat_tokens
+    from .tune.record import calibration_prompts
+    from .tune.survey import pick, survey, table
+
+    names = _format_names(formats_list)
+    check_floor(quality_floor)
+    _check_range("prompts", prompts, 1, 100)
+    _check_range("tokens", tokens, 1, 1024)
+    _check_range("repeats", repeats, 1, 100)
+    _check_range("threads", threads, 1, 1024)
+    cat = catalog.load_catalog()
+    if name in cat["pairs"]:
+        p = catalog.pair(name)
+        sources = {"target": catalog.resolve(p["target"], pull_missing=True)}
+        if p.get("draft"):
+            sources["draft"] = catalog.resolve(p["draft"], pull_missing=True)
+    else:
+        sources = {"model": catalog.resolve(name, pull_missing=True)}
+    load = LoadParams(n_ctx=4096, n_threads=threads)
+    _doing("the format survey", "finished variants are kept; an unfinished one left no file under its name")
+    with LlamaModel(sources[next(iter(sources))], load) as m:
+        cal = [chat_tokens(m, [{"role": "user", "content": q.text}]) for q in calibration_prompts(1)[:prompts]]
+    rows = survey(sources, names, cal, load, continuation=tokens, repeats=repeats, log=_err)
+    text = table(rows, quality_floor)
+    typer.echo(text)
+    for role, rs in rows.items():
+        best, shipped = pick(rs, quality_floor), rs[0]
+        typer.echo(f"{role}: plain decoding would run {best.format} ({best.path.name}), "
+                   f"{shipped.cost[1] / best.cost[1]:.2f}x the shipped file's tokens per second"
+                   + (f", agreement {best.quality.agreement:.3f} with it" if best.quality else ""))
+    if out:
+        write_text(Path(out) / "optimize.md", text + "\n")
+        write_json(Path(out) / "optimize.json", {"floor": quality_floor, "sources": {k: str(v) for k, v in sources.items()},
+                                                "rows": {r: [x.to_dict() for x in rs] for r, rs in rows.items()}})
+
+
+def _format_names(raw: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in raw.split(",") if n.strip())
+    if not names:
+        raise InvalidParameterError("--formats needs at least one format name")
+    check_names(list(names))
+    return names
 
 
 # ---- slim ------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
+from . import formats
 from . import models as catalog
 from .decoding import Decoder, SpecParams
 from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, check_compatible
@@ -154,7 +155,7 @@ class Engine:
         """An engine for a catalog pair (default: the catalog's default pair).
 
         When `via-edge tune` has tuned the pair on this machine (and `tuned` is true), its choice
-        supplies the mode, the slim layers and each mode's knobs. Keywords given here win;
+        supplies the weight formats of target and draft, the mode, the slim layers and each mode's knobs. Keywords given here win;
         `overrides` (SpecParams fields) change single knobs of every mode's tuned spec, while an
         explicit `spec` replaces them all. Without a tuned choice the mode is `fallback_mode`.
         """
@@ -174,9 +175,21 @@ class Engine:
         kwargs.setdefault("mode", fallback_mode)
         kwargs.setdefault("draft_layers", pair.get("draft_layers"))
         kwargs.setdefault("slim_layers", pair.get("slim_layers"))
-        engine = cls(pair["target"], pair.get("draft"), **kwargs)
+        target, draft = pair["target"], pair.get("draft")
+        if choice is not None and not kwargs.get("f32"):  # the tuned weight formats (derived once, then reused)
+            pull = kwargs.get("pull_missing", False)
+            target = formats.derive(catalog.resolve(target, pull_missing=pull), choice.target_format)
+            if draft:
+                draft = formats.derive(catalog.resolve(draft, pull_missing=pull), choice.draft_format)
+        engine = cls(target, draft, **kwargs)
+        engine.model_name = pair["target"]  # the catalog's name, whichever format runs
         engine.tuned = choice
         return engine
+
+    @property
+    def weight_format(self) -> str:
+        """The target's format: a derived recipe (formats.py) or the file's own quantization."""
+        return formats.describe(self.target_path)
 
     def _model_path(self, spec: str | Path) -> Path:
         path = catalog.resolve(spec, pull_missing=self._pull)

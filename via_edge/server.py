@@ -234,9 +234,12 @@ def create_app(engine: Engine, *, max_body: int = MAX_BODY, max_tokens_limit: in
     async def _user_error(_request, exc: ViaEdgeError):
         return _HTTPError(400, str(exc)).response()
 
+    fmt = engine.weight_format  # read once: the GGUF header does not change while serving
+
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": engine.model_name, "mode": engine.mode, "n_ctx": engine.target.n_ctx,
+                "weights": fmt,
                 "served": state["served"], "cancelled": state["cancelled"]}
 
     @app.get("/v1/models")

@@ -34,6 +34,8 @@ class TunedConfig:
     slim_layers: str | None                    # the slim verifier the search found
     modes: dict[str, dict] = field(default_factory=dict)  # mode -> SpecParams fields for that mode
     summary: str = ""                          # one line: what was chosen and why
+    target_format: str = "shipped"             # weight format of the target (formats.py recipe)
+    draft_format: str = "shipped"              # and of the draft model
 
     def spec(self, mode: str | None = None) -> SpecParams:
         known = {f.name for f in fields(SpecParams)}

@@ -18,6 +18,8 @@ def summarize(results: dict) -> dict:
     runs = results["runs"]
     methods = results["meta"]["methods"]
     ar = {r["prompt_id"]: r for r in runs if r["method"] == "ar"}
+    formats = results["meta"].get("formats", {})
+    peer = {r["prompt_id"]: r for r in runs if r["method"] == PEERS[0]}
     summary = {}
     for method in methods:
         mine = [r for r in runs if r["method"] == method]
@@ -39,8 +41,14 @@ def summarize(results: dict) -> dict:
                 "prefix_share_mean": sum(f["prefix_share"] for f in fid) / len(fid) if fid else float("nan"),
                 "agreement_mean": sum(f["agreement"] for f in fid) / len(fid) if fid else float("nan"),
             },
-            "lossless": method.split(":")[0] in LOSSLESS | set(PEERS),  # "sd:tuned" is sd with tuned knobs
+            # "sd:tuned" is sd with tuned knobs; on another weight format than ar's it is not lossless
+            "lossless": method.split(":")[0] in LOSSLESS | set(PEERS) and formats.get(method) == formats.get("ar"),
+            "format": formats.get(method, ""),
         }
+        if peer:  # the same ratios against what users already have: llama-cpp-python on the shipped file
+            vs = [r["tok_s"] / peer[r["prompt_id"]]["tok_s"] for r in mine if peer[r["prompt_id"]]["tok_s"] > 0]
+            entry["speedup_vs_peer"] = geomean(vs)
+            entry["speedup_vs_peer_spread"] = spread(vs)
         stats = [r["stats"] for r in mine if "stats" in r]
         if stats:
             def tot(key: str, stats=stats) -> float:
@@ -97,14 +105,17 @@ def render_markdown(results: dict) -> str:
         "",
         "## Summary (speedup = geometric mean over prompts of tok/s ÷ `ar` tok/s on the same prompt)",
         "",
-        "| method | tok/s median (min–max) | speedup | speedup min–max | exact match | identical prefix | token agreement | rejection rate | accepted/round |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| method | weights | tok/s median (min–max) | speedup | speedup min–max | vs llama-cpp-python | exact match | identical prefix | token agreement | rejection rate | accepted/round |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for method, s in summary.items():
         t, sp = s["tok_s"], s["speedup_spread"]
+        vp = (f"{_f(s['speedup_vs_peer'])}x ({_f(s['speedup_vs_peer_spread']['min'])}–"
+              f"{_f(s['speedup_vs_peer_spread']['max'])})" if "speedup_vs_peer" in s else "")
         lines.append(
-            f"| {method}{'' if s['lossless'] else ' (lossy)'} | {_f(t['median'], 1)} ({_f(t['min'], 1)}–{_f(t['max'], 1)}) "
-            f"| {_f(s['speedup'])}x | {_f(sp['min'])}–{_f(sp['max'])} | {_f(s['fidelity']['exact_rate'])} "
+            f"| {method}{'' if s['lossless'] else ' (lossy)'} | {s.get('format', '')} "
+            f"| {_f(t['median'], 1)} ({_f(t['min'], 1)}–{_f(t['max'], 1)}) "
+            f"| {_f(s['speedup'])}x | {_f(sp['min'])}–{_f(sp['max'])} | {vp} | {_f(s['fidelity']['exact_rate'])} "
             f"| {_f(s['fidelity']['prefix_share_mean'])} | {_f(s['fidelity']['agreement_mean'])} "
             f"| {_f(s.get('rejection_rate', float('nan')))} | {_f(s.get('mean_accepted_per_round', float('nan')))} |")
     cats = sorted({p["category"] for p in meta["prompts"]})

@@ -114,7 +114,12 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
                 e.prepare(mode)
         if cfg.peers:
             peers = [Peer(name, engine.target_path, cfg.n_ctx, threads) for name in PEERS]
-        methods = list(cfg.modes) + [f"{m}:tuned" for m in cfg.modes if tuned and m != "ar"] + [p.name for p in peers]
+        # ar:tuned differs from ar only when the tuned choice runs another weight format
+        other_format = tuned is not None and tuned.target_path != engine.target_path
+        methods = (list(cfg.modes) + [f"{m}:tuned" for m in cfg.modes if tuned and (m != "ar" or other_format)]
+                   + [p.name for p in peers])
+        fmt = {"": engine.weight_format, "tuned": tuned.weight_format if tuned else ""}
+        formats = {m: fmt[m.partition(":")[2]] if m not in PEERS else fmt[""] for m in methods}
         by_name = {p.name: p for p in peers}
 
         def run_one(method: str, tokens: list[int]) -> dict:
@@ -147,14 +152,15 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "command": cfg.command, "machine": {**machine(), "threads_used": threads},
             "versions": versions(), "models": model_facts(engine) | (
-                {"slim:tuned": model_facts(tuned)["slim"]} if tuned and "slim" in model_facts(tuned) else {}),
+                {f"{role}:tuned": facts for role, facts in model_facts(tuned).items()
+                 if role == "slim" or other_format} if tuned else {}),
             "params": {**{k: v for k, v in asdict(cfg).items() if k not in ("spec", "command")},
                        "spec": {m: asdict(engine.spec) for m in cfg.modes} | (
                            {f"{m}:tuned": asdict(tuned.mode_specs.get(m, tuned.spec)) for m in cfg.modes if m != "ar"}
                            if tuned else {}),
                        "tuned": tuned.tuned.to_dict() if tuned else None, "exact_kernels": cfg.exact, "f32_weights": cfg.f32,
                        "pair": engine_pair_name(cfg.pair)},
-            "methods": methods,
+            "methods": methods, "formats": formats,
             "prompts": [{"id": p.id, "category": p.category, "text": p.text[:200]} for p in prompts],
         }
         results = {"meta": meta, "runs": runs}

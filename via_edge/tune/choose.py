@@ -28,6 +28,7 @@ class Candidate:
     error_rate: float = 0.0        # committed tokens differing from the target's (via only)
     fidelity: float = 1.0          # predicted position-wise agreement at the output length
     tiers: dict = field(default_factory=dict)
+    format: str = "shipped"        # the weight format of target and slim (formats.py)
 
     @property
     def lossless(self) -> bool:
@@ -45,7 +46,8 @@ class Candidate:
         if self.mode == "ar":
             knobs = {}
         parts = [f"{k} {v}" for k, v in knobs.items() if v != getattr(d, k) or k == "n_draft"]
-        return " ".join([self.mode] + ([f"slim {self.slim}"] if self.slim else []) + parts)
+        where = [] if self.format == "shipped" else [f"on {self.format}"]
+        return " ".join([self.mode] + ([f"slim {self.slim}"] if self.slim else []) + parts + where)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -56,7 +58,7 @@ class Candidate:
 def grid(slims: Sequence[str]) -> Iterable[tuple[str, SpecParams, str | None]]:
     """Every configuration the tuner predicts (about 800; a replay of all takes seconds)."""
     yield "ar", SpecParams(), None
-    for n in (1, 2, 3, 4, 6, 8):
+    for n in (1, 2, 3, 4, 6, 7, 8, 15):  # 3, 7, 15: verification batches of 4, 8 and 16 rows (kernel blocks)
         yield "lookup", SpecParams(n_draft=n), None
         for p_min in (0.0, 0.5, 0.7, 0.9):
             yield "sd", SpecParams(n_draft=n, p_min=p_min), None
@@ -71,9 +73,11 @@ def grid(slims: Sequence[str]) -> Iterable[tuple[str, SpecParams, str | None]]:
 
 def predict(traces: Sequence[Trace], slim_traces: dict[str, list[SlimTrace]], slim_model: dict[str, str],
             cost: Callable[[str, int, int], float], eog: Sequence[int], out_length: int,
-            n_vocab: int, configs: Iterable[tuple[str, SpecParams, str | None]]) -> list[Candidate]:
-    """Replay every configuration on every trace, as ratios to `ar` on the same trace."""
-    ar_seconds = [replay(t, None, "ar", SpecParams(), cost, eog).seconds for t in traces]
+            n_vocab: int, configs: Iterable[tuple[str, SpecParams, str | None]], *, fmt: str = "shipped",
+            baseline: Callable[[str, int, int], float] | None = None) -> list[Candidate]:
+    """Replay every configuration on every trace, as ratios to `ar` on the same trace; `ar`
+    priced by `baseline` (default `cost`), the shipped format's costs when `fmt` is a variant."""
+    ar_seconds = [replay(t, None, "ar", SpecParams(), baseline or cost, eog).seconds for t in traces]
     lookup = PromptLookupDrafter(n_vocab)
     out = []
     for mode, spec, slim in configs:
@@ -87,7 +91,7 @@ def predict(traces: Sequence[Trace], slim_traces: dict[str, list[SlimTrace]], sl
         tiers = {k: sum(r.tiers.count(k) for r in runs) / tokens for k in "ABC"} if tokens else {}
         out.append(Candidate(mode, spec, slim, geomean([a / r.seconds for a, r in zip(ar_seconds, runs)]),
                              tokens / seconds if seconds else 0.0, err, predicted_agreement(err, out_length),
-                             tiers))
+                             tiers, fmt))
     return out
 
 
@@ -101,10 +105,13 @@ def frontier(cands: Sequence[Candidate]) -> list[Candidate]:
     return out
 
 
-def best_per_mode(cands: Sequence[Candidate], floor: float) -> dict[str, Candidate]:
-    """Per mode, the fastest configuration meeting the fidelity floor (lossless modes always do)."""
+def best_per_mode(cands: Sequence[Candidate], floor: float, fmt: str | None = None) -> dict[str, Candidate]:
+    """Per mode, the fastest configuration meeting the fidelity floor (lossless modes always do),
+    over every format or only `fmt`."""
     out: dict[str, Candidate] = {}
     for c in cands:
+        if fmt is not None and c.format != fmt:
+            continue
         if not c.lossless and c.fidelity < floor:
             continue
         if c.mode not in out or c.speedup > out[c.mode].speedup:
@@ -116,16 +123,14 @@ PREDICTED_MARGIN = 0.15  # speculation must be predicted this much faster than a
 MEASURED_MARGIN = 0.05   # ... and measured this much faster on held-out prompts
 
 
-def choose(best: dict[str, Candidate], margin: float = PREDICTED_MARGIN) -> Candidate:
-    """The never-slower rule: a speculative mode only when predicted at least `margin` faster than ar.
+def choose(best: dict[str, Candidate], baseline: Candidate, margin: float = PREDICTED_MARGIN) -> Candidate:
+    """The never-slower rule: anything but `baseline` (ar on the shipped file) only when predicted
+    at least `margin` faster than it; `best` holds per mode the fastest over every format.
 
     The margin is the prediction's error on unseen prompts, not on the calibration ones: on this
     project's reference machine the full benchmark (13 categories, 128 tokens) measured 10-18%
     below the replay's predictions (docs/benchmarks.md, section 9), while held-out checks of 48
     tokens agreed within 6%.
     """
-    spec = [c for m, c in best.items() if m != "ar"]
-    top = max(spec, key=lambda c: c.speedup, default=None)
-    if top is None or top.speedup < 1.0 + margin:
-        return best["ar"]
-    return top
+    top = max(best.values(), key=lambda c: c.speedup, default=baseline)
+    return top if top.speedup >= 1.0 + margin else baseline

@@ -40,6 +40,19 @@ class CostProfile:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def scaled(self, ratios: Mapping[int, float]) -> Callable[[str, int, int], float]:
+        """Costs of the same models in another weight format: every target-derived call (target,
+        slims) times that format's measured cost ratio to the shipped file at this batch size
+        (interpolated between the measured sizes, held beyond them); the draft's cost as is (it
+        was profiled in its own chosen format)."""
+        ns = sorted(ratios)
+        ys = [ratios[n] for n in ns]
+
+        def cost(model: str, n: int, ctx: int) -> float:
+            base = self.cost(model, n, ctx)
+            return base if model == "draft" else base * float(np.interp(n, ns, ys))
+        return cost
+
     def cost(self, model: str, n: int, ctx: int) -> float:
         """Seconds for one call of `model` ("target", "draft" or "slim-K" for a K-block slim)."""
         if model.startswith("slim-") and model not in self.table:

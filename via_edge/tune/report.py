@@ -30,7 +30,7 @@ def render_markdown(r: dict) -> str:
         "",
         f"- date: {meta['date']}; machine: {m['cpu']}, {m['cores']} cores ({m['threads_used']} threads), key `{m['key']}`",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
-        f"- time: {t['total']:.0f} s in all (profile {t['profile']:.0f}, record {t['record']:.0f}, search "
+        f"- time: {t['total']:.0f} s in all (formats {t.get('formats', 0):.0f}, profile {t['profile']:.0f}, record {t['record']:.0f}, search "
         f"{t['search']:.0f}, predict {t['predict']:.0f}, verify {t['verify']:.0f})",
         f"- calibration: Spec-Bench ids {', '.join(meta['calibration'])} ({cfg['calib_tokens']} target tokens each); "
         f"held-out: {', '.join(meta['heldout'])} ({cfg['verify_tokens']} tokens each); fidelity floor "
@@ -38,6 +38,11 @@ def render_markdown(r: dict) -> str:
         "",
         f"**Choice: {r['choice']['summary']}**",
         "",
+        *([f"## Weight formats (quality floor {cfg.get('quality_floor')}: teacher-forced top-1 agreement with the "
+           f"shipped file; costs at context 384, interleaved)", "", r["formats_table"], "",
+           f"The draft runs {r['choice'].get('draft_format', 'shipped')} from here on (the cheapest single-token "
+           "format that clears the floor); each passing target format is replayed below with the shipped "
+           "profile scaled by its measured cost ratio per batch size.", ""] if r.get("formats_table") else []),
         f"## Cost profile (median ms per decode call at context {prof['contexts'][1]})",
         "",
         f"Slim costs by block count, interpolated between the measured sizes and the target, are within "
@@ -79,6 +84,10 @@ def render_markdown(r: dict) -> str:
         lines.append(f"| {mode} | {c['label']} | {c['speedup']:.2f}x | {c['fidelity']:.3f} | "
                      + (f"{v['measured_speedup']:.2f}x ({spread[0]:.2f}–{spread[1]:.2f}) | {v['measured_agreement']:.2f} | "
                         f"{v['prediction_error']:+.0%} |" if v else "not run | | |"))
+    base = r["verify"].get("ar (shipped)")
+    if base:
+        lines.append(f"| ar (shipped file, the baseline) | ar | 1.00x | 1.000 | 1.00x | 1.00 | |  \n\n"
+                     f"Measured ratios and agreements are to ar on the shipped file ({base['tok_s']:.1f} tok/s median).")
     lines += ["", "## Frontier (predicted speedup vs fidelity; nothing beats these on both)", ""]
     lines += [f"- {label}" for label in r["frontier"]]
     lines += ["", "![frontier](frontier.png)", ""]

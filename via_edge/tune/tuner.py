@@ -1,11 +1,14 @@
 """`via-edge tune`: measure this machine, search the slim, predict every configuration offline,
 check the prediction with a real run, and store the choice the engine then uses by default.
 
+    formats   -> weight-format variants of target and draft: cost at 1..16 tokens, quality
+                 against the shipped file; the draft's fastest passing format is used from here on
     profile   -> CostProfile (decode cost of draft, slims, target by batch and context)
     record    -> traces: the target's greedy output on calibration prompts, the draft along it
     search    -> slim layers (agreement with the target along the traces, under a block budget)
-    predict   -> replay ~600 configurations, frontier of predicted speed vs fidelity
-    choose    -> fastest meeting the fidelity floor, or ar (never slower)
+    predict   -> replay ~800 configurations on the shipped file and each passing format (a format's
+                 costs are the shipped profile times its measured cost ratio per batch size)
+    choose    -> fastest (format, mode, knobs) meeting both floors, or ar on the shipped file
     verify    -> real interleaved run on held-out prompts: predicted vs measured speedup
 """
 
@@ -22,6 +25,7 @@ from typing import Callable
 
 import numpy as np
 
+from .. import formats
 from .. import models as catalog
 from ..bench.metrics import fidelity, geomean
 from ..decoding import SpecParams
@@ -38,6 +42,7 @@ from .choose import MEASURED_MARGIN, PREDICTED_MARGIN, Candidate, best_per_mode,
 from ..prompts import chat_tokens
 from .record import calibration_prompts, capture_names, record, slim_traces
 from .search import Search
+from .survey import QUALITY_FLOOR, FormatRow, check_floor, pick, survey, table
 
 
 @dataclass
@@ -56,6 +61,8 @@ class TuneConfig:
     batches: tuple[int, ...] = prof.BATCHES
     n_ctx: int = 4096
     threads: int | None = None
+    formats: tuple[str, ...] = formats.FORMAT_NAMES  # weight formats tried (shipped always)
+    quality_floor: float = QUALITY_FLOOR  # a format's teacher-forced agreement with the shipped file
     load: dict = field(default_factory=dict)  # extra LoadParams (tests: exact kernels)
     out: Path | None = None        # report folder (default: next to the tuned files)
 
@@ -78,6 +85,8 @@ def tune(cfg: TuneConfig, quiet: bool = False) -> dict:
         raise InvalidParameterError(f"--fidelity-floor must be in (0, 1], got {cfg.fidelity_floor}")
     if not 0 < cfg.slim_budget < 1:
         raise InvalidParameterError(f"--slim-budget must be in (0, 1), got {cfg.slim_budget}")
+    check_floor(cfg.quality_floor)
+    formats.check_names(list(cfg.formats))
     threads = cfg.threads or default_threads()
     load = LoadParams(n_ctx=cfg.n_ctx, n_threads=threads, **cfg.load)
     target_path = catalog.resolve(pair["target"], pull_missing=True)
@@ -88,14 +97,37 @@ def tune(cfg: TuneConfig, quiet: bool = False) -> dict:
     if read_info(target_path).block_count < 2:
         raise InvalidParameterError(f"{target_path.name} has fewer than 2 blocks: there is no slim to search")
 
+    cal = calibration_prompts(1)
+    spare = calibration_prompts(1, skip=1)
+    held = spare[:: max(1, len(spare) // cfg.heldout)][: cfg.heldout]  # spread over the categories
+    with LlamaModel(target_path, load) as target:
+        cal_tokens = [chat_tokens(target, [{"role": "user", "content": p.text}]) for p in cal]
+
+    # 0. weight formats ----------------------------------------------------------------------------
+    t0 = time.monotonic()
+    sources = {"target": target_path, **({"draft": draft_path} if pair.get("draft") else {})}
+    fmt_rows: dict[str, list[FormatRow]] = {}
+    if set(cfg.formats) - {formats.SHIPPED}:
+        log(f"formats {', '.join(cfg.formats)} of {', '.join(sources)}: deriving (cached), quality, costs")
+        short = sorted(cal_tokens, key=len)[: cfg.search_prompts]  # quality on the shortest: prefill is slow here
+        fmt_rows = survey(sources, cfg.formats, short, load, continuation=cfg.calib_tokens, log=log)
+        for role, rows in fmt_rows.items():
+            log(f"  {role}: " + "; ".join(f"{r.format} {r.cost[1] * 1e3:.0f} ms/token"
+                                         + (f", agreement {r.quality.agreement:.3f}" if r.quality else "")
+                                         for r in rows))
+    draft_fmt = pick(fmt_rows["draft"], cfg.quality_floor) if "draft" in fmt_rows else None
+    if draft_fmt is not None:
+        draft_path = draft_fmt.path
+    # a passing target format's cost, per batch size, as a ratio to the shipped file's
+    shipped_row = fmt_rows["target"][0] if fmt_rows else None
+    ratios = {r.format: {n: r.cost[n] / shipped_row.cost[n] for n in r.cost}
+              for r in fmt_rows.get("target", [])[1:] if r.clears(cfg.quality_floor)}
+    timings["formats"] = time.monotonic() - t0
+
     with LlamaModel(target_path, load) as target, LlamaModel(draft_path, load) as draft:
         n_blocks = target.n_layer
         eog = [t for t in range(target.n_vocab) if target.is_eog(t)]
-        cal = calibration_prompts(1)
-        spare = calibration_prompts(1, skip=1)
-        held = spare[:: max(1, len(spare) // cfg.heldout)][: cfg.heldout]  # spread over the categories
         n_vocab = target.n_vocab
-        cal_tokens = [chat_tokens(target, [{"role": "user", "content": p.text}]) for p in cal]
 
         # 1. cost profile --------------------------------------------------------------------------
         t0 = time.monotonic()
@@ -171,30 +203,43 @@ def tune(cfg: TuneConfig, quiet: bool = False) -> dict:
     # 4. predict and choose ------------------------------------------------------------------------
     t0 = time.monotonic()
     cands = predict(traces, slim_data, slim_model, profile.cost, eog, cfg.out_length, n_vocab, grid(list(slim_data)))
-    timings["predict"] = time.monotonic() - t0
     best = best_per_mode(cands, cfg.fidelity_floor)
     # the engine loads one slim: the one of the faster slim mode; the other mode is tuned for it too
     slim_modes = [best[m] for m in ("via", "hier") if m in best]
     slim_layers = max(slim_modes, key=lambda c: c.speedup).slim if slim_modes else None
     usable = [c for c in cands if c.slim in (None, slim_layers)]
+    for fmt, ratio in ratios.items():  # every mode again on each passing format, with the chosen slim
+        usable += predict(traces, slim_data, slim_model, profile.scaled(ratio), eog, cfg.out_length, n_vocab,
+                          grid([slim_layers] if slim_layers else []), fmt=fmt, baseline=profile.cost)
+    baseline = next(c for c in cands if c.mode == "ar")
     best = best_per_mode(usable, cfg.fidelity_floor)
+    chosen = choose(best, baseline)
+    timings["predict"] = time.monotonic() - t0
+    log(f"predicted {len(usable)} configurations in {timings['predict']:.0f}s; best per mode: "
+        + ", ".join(f"{c.label()} {c.speedup:.2f}x" for c in best.values()))
+    # the real check runs every mode on the format of the predicted choice, against ar on the shipped file
+    fmt = chosen.format
+    best = best_per_mode(usable, cfg.fidelity_floor, fmt=fmt)
     # a lossy mode with nothing above the floor keeps (and is checked at) its most faithful configuration
-    below = {m: max((c for c in usable if c.mode == m), key=lambda c: (c.fidelity, c.speedup))
-             for m in ("via",) if m not in best and any(c.mode == m for c in usable)}
-    chosen = choose(best)
-    log(f"predicted {len(cands)} configurations in {timings['predict']:.0f}s; best per mode: "
-        + ", ".join(f"{m} {c.speedup:.2f}x" for m, c in best.items()))
+    below = {m: max((c for c in usable if c.mode == m and c.format == fmt), key=lambda c: (c.fidelity, c.speedup))
+             for m in ("via",) if m not in best and any(c.mode == m and c.format == fmt for c in usable)}
+    fmt_path = formats.derive(target_path, fmt)
 
     # 5. verify with a real run ----------------------------------------------------------------------
     t0 = time.monotonic()
-    checks = verify(target_path, draft_path, {**best, **below}, held, cfg, load, log)
+    checks = verify(fmt_path, draft_path, {**best, **below}, held, cfg, load, log,
+                    baseline=target_path if fmt != formats.SHIPPED else None)
     timings["verify"] = time.monotonic() - t0
-    final, why = _final_choice(chosen, best, checks, cfg.fidelity_floor)
+    final, why = _final_choice(chosen, best, checks, cfg.fidelity_floor, baseline)
     log(why)
 
     # 6. store -------------------------------------------------------------------------------------
+    if final.format != fmt:  # fell back to ar on the shipped file: keep the shipped format's knobs
+        best = best_per_mode(usable, cfg.fidelity_floor, fmt=final.format)
+        below = {}
     modes = {m: asdict(c.spec) for m, c in {**best, **below}.items()}
-    choice = TunedConfig(name, final.mode, slim_layers, modes, why)
+    choice = TunedConfig(name, final.mode, slim_layers, modes, why, target_format=final.format,
+                         draft_format=draft_fmt.format if draft_fmt else formats.SHIPPED)
     timings["total"] = time.monotonic() - t_start
     result = {
         "meta": {"date": _now(), "pair": name, "machine": {**machine(), "threads_used": threads,
@@ -204,12 +249,14 @@ def tune(cfg: TuneConfig, quiet: bool = False) -> dict:
                  "calibration": [p.id for p in cal], "heldout": [p.id for p in held],
                  "timings": timings, "draft_agreement": draft_agree, "block_budget": budget,
                  "n_blocks": n_blocks},
+        "formats": {role: [r.to_dict() for r in rows] for role, rows in fmt_rows.items()},
+        "formats_table": table(fmt_rows, cfg.quality_floor) if fmt_rows else "",
         "profile": profile.to_dict(),
         "search": [{"layers": format_layers(s.layers), "blocks": len(s.layers), "strategy": s.strategy,
                     "agreement": s.agreement, **s.extra} for s in search.scored.values()],
         "finalists": slim_scores,
-        "candidates": [c.to_dict() for c in cands],
-        "frontier": [c.label() for c in frontier(cands)],
+        "candidates": [c.to_dict() for c in cands + [c for c in usable if c.format != formats.SHIPPED]],
+        "frontier": [c.label() for c in frontier(cands + [c for c in usable if c.format != formats.SHIPPED])],
         "best": {m: c.to_dict() for m, c in best.items()},
         "below_floor": {m: c.to_dict() for m, c in below.items()},
         "predicted_choice": chosen.to_dict(),
@@ -221,67 +268,92 @@ def tune(cfg: TuneConfig, quiet: bool = False) -> dict:
     return result
 
 
+BASE = "ar (shipped)"  # the baseline's key in the checks when the choice is on another format
+
+
 def verify(target_path: Path, draft_path: Path, best: dict[str, Candidate], prompts, cfg: TuneConfig,
-           load: LoadParams, log: Callable[[str], None]) -> dict:
-    """Each mode's best configuration against ar on held-out prompts, interleaved and rotated."""
+           load: LoadParams, log: Callable[[str], None], baseline: Path | None = None) -> dict:
+    """Each mode's best configuration against ar on held-out prompts, interleaved and rotated.
+
+    With `baseline` (the shipped file, when `target_path` is a derived format), ar on it runs
+    beside them and every ratio and agreement is to it, so a format's speed and loss show up.
+    """
     slim = next((c.slim for c in best.values() if c.slim), None)  # one slim for all modes (see tune)
-    kw = {k: v for k, v in asdict(load).items() if k in ("flash_attn", "use_extra_bufts", "kv_type")}
-    engine = Engine(target_path, draft_path, slim_layers=slim, n_ctx=cfg.n_ctx, n_threads=load.n_threads, **kw)
-    methods = list(best)
+    kw = dict(n_ctx=cfg.n_ctx, n_threads=load.n_threads,
+              **{k: v for k, v in asdict(load).items() if k in ("flash_attn", "use_extra_bufts", "kv_type")})
+    engine = Engine(target_path, draft_path, slim_layers=slim, **kw)
+    base = Engine(baseline, **kw) if baseline else None
+    runners = {m: (engine, m, best[m].spec) for m in best}
+    if base:
+        runners[BASE] = (base, "ar", SpecParams())
+    ref = BASE if base else "ar"
+    methods = list(runners)
     runs: dict[str, list[dict]] = {m: [] for m in methods}
-    with engine:
-        for m in methods:
+    try:
+        for m in best:
             engine.prepare(m)
         log(f"verifying {', '.join(methods)} on {len(prompts)} held-out prompts x {cfg.verify_tokens} tokens")
         for i, p in enumerate(prompts):
             tokens = engine.tokens_for(p.text, True)
             order = methods[i % len(methods):] + methods[: i % len(methods)]
             for m in order:
-                engine.reset()
-                res = engine.generate(tokens, mode=m, max_tokens=cfg.verify_tokens, spec=best[m].spec)
+                e, mode, spec = runners[m]
+                e.reset()
+                res = e.generate(tokens, mode=mode, max_tokens=cfg.verify_tokens, spec=spec)
                 runs[m].append({"prompt": p.id, "tokens": res.tokens, "tok_s": res.stats.tokens_per_second})
+    finally:
+        engine.close()
+        if base:
+            base.close()
     out = {}
-    ar = {r["prompt"]: r for r in runs["ar"]}
+    ar = {r["prompt"]: r for r in runs[ref]}
     for m in methods:
         if not runs[m]:
             continue
         ratios = [r["tok_s"] / ar[r["prompt"]]["tok_s"] for r in runs[m]]
         agree = [fidelity(ar[r["prompt"]]["tokens"], r["tokens"])["agreement"] for r in runs[m]]
-        out[m] = {"label": best[m].label(), "predicted_speedup": best[m].speedup, "measured_speedup": geomean(ratios),
-                  "speedup_spread": [min(ratios), max(ratios)], "measured_agreement": float(np.mean(agree)),
-                  "predicted_fidelity": best[m].fidelity, "tok_s": float(np.median([r["tok_s"] for r in runs[m]]))}
+        c = best.get(m)
+        out[m] = {"label": c.label() if c else "ar on the shipped file", "predicted_speedup": c.speedup if c else 1.0,
+                  "measured_speedup": geomean(ratios), "speedup_spread": [min(ratios), max(ratios)],
+                  "measured_agreement": float(np.mean(agree)), "predicted_fidelity": c.fidelity if c else 1.0,
+                  "tok_s": float(np.median([r["tok_s"] for r in runs[m]]))}
         out[m]["prediction_error"] = out[m]["measured_speedup"] / out[m]["predicted_speedup"] - 1
-        log(f"  {m:6s} predicted {best[m].speedup:.2f}x, measured {out[m]['measured_speedup']:.2f}x "
+        log(f"  {m:6s} predicted {out[m]['predicted_speedup']:.2f}x, measured {out[m]['measured_speedup']:.2f}x "
             f"(agreement {out[m]['measured_agreement']:.2f})")
     return out
 
 
-def _final_choice(chosen: Candidate, best: dict[str, Candidate], checks: dict, floor: float
+def _final_choice(chosen: Candidate, best: dict[str, Candidate], checks: dict, floor: float, baseline: Candidate
                   ) -> tuple[Candidate, str]:
-    """Keep the predicted choice only if the real run agrees it is clearly faster than ar (never slower)."""
+    """Keep the predicted choice only if the real run agrees it is clearly faster than ar on the
+    shipped file (never slower). `best` and `checks` are per mode on the choice's format."""
+    def is_base(c: Candidate) -> bool:
+        return c.mode == "ar" and c.format == baseline.format
+
     def ok(m: str) -> bool:
         c = checks.get(m)
         return m in best and bool(c) and c["measured_speedup"] >= 1.0 + MEASURED_MARGIN and (
             best[m].lossless or c["measured_agreement"] >= floor)
 
-    if chosen.mode != "ar" and ok(chosen.mode):
+    if not is_base(chosen) and ok(chosen.mode):
         c = checks[chosen.mode]
         return chosen, (f"chose {chosen.label()}: predicted {chosen.speedup:.2f}x, measured {c['measured_speedup']:.2f}x "
-                        f"over ar on held-out prompts")
+                        f"over ar on the shipped file on held-out prompts")
     # another mode may stand in for the favourite only if it, too, clears the predicted margin
-    measured = [m for m in checks if m != "ar" and ok(m) and best[m].speedup >= 1.0 + PREDICTED_MARGIN]
+    measured = [m for m in checks if m in best and not is_base(best[m]) and ok(m)
+                and best[m].speedup >= 1.0 + PREDICTED_MARGIN]
     if measured:
         m = max(measured, key=lambda m: checks[m]["measured_speedup"])
-        return best[m], (f"chose {best[m].label()}: measured {checks[m]['measured_speedup']:.2f}x over ar on held-out "
-                         f"prompts (the predicted favourite, {chosen.label()}, was not faster in the real run)")
-    fastest = max((c for m, c in best.items() if m != "ar"), key=lambda c: c.speedup, default=None)
-    checks = {m: c for m, c in checks.items() if m in best}
-    detail = (f"; the best speculative configuration, {fastest.label()}, is predicted at {fastest.speedup:.2f}x"
+        return best[m], (f"chose {best[m].label()}: measured {checks[m]['measured_speedup']:.2f}x over ar on the "
+                         f"shipped file on held-out prompts (the predicted favourite, {chosen.label()}, was not "
+                         f"faster in the real run)")
+    fastest = max((c for c in best.values() if not is_base(c)), key=lambda c: c.speedup, default=None)
+    detail = (f"; the best other configuration, {fastest.label()}, is predicted at {fastest.speedup:.2f}x"
               + (f" and measured at {checks[fastest.mode]['measured_speedup']:.2f}x" if fastest.mode in checks else "")
               if fastest else "")
-    return best["ar"], (f"no speculative configuration beats plain decoding (ar) on this machine by the margins the "
-                        f"never-slower rule asks (predicted +{PREDICTED_MARGIN:.0%}, measured +{MEASURED_MARGIN:.0%})"
-                        f"{detail}: chose ar")
+    return baseline, (f"nothing beats plain decoding (ar) on the shipped file on this machine by the margins the "
+                      f"never-slower rule asks (predicted +{PREDICTED_MARGIN:.0%}, measured +{MEASURED_MARGIN:.0%})"
+                      f"{detail}: chose ar")
 
 
 def _finalists(ranked, n: int = 2):

@@ -1,0 +1,193 @@
+"""Weight formats: derive a GGUF in the format this CPU's kernels run fastest.
+
+A model ships in one quantization (Q4_K_M for our pair), but which format is fastest depends on
+the machine: on x86 llama.cpp repacks only Q4_0, Q4_K and IQ4_NL weights into its gemv/gemm
+kernels, while the Q6_K tensors a Q4_K_M file keeps (LM head, half the ffn_down) run a per-token
+dot-product loop below 8 tokens (docs/design.md, "Weight formats"). A *variant* is the source
+requantized by llama.cpp's own `llama_model_quantize` to one recipe. Requantizing is lossy, so
+nothing uses a variant before `quality.py` has measured it against its source.
+
+Variants are written next to their source (or into the model dir), to a `.partial-<pid>` file
+first and renamed when complete, named after the source's SHA-256 and the recipe, tagged inside
+with both (`via_edge.format.*`), and reused when present.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import InvalidParameterError, ModelFileError, ViaEdgeError
+from .gguf_info import field_value, open_reader
+from .llama import quantize
+from .models import Progress, sha256_cached
+from .slim import derived_dir
+
+SHIPPED = "shipped"
+FORMAT_VERSION = 1  # bump when a recipe's meaning changes, so stale variants are not reused
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One llama_model_quantize call: every tensor in `body`, the LM head in `head` if given."""
+
+    name: str
+    ftype: str                 # LLAMA_FTYPE_MOSTLY_<ftype>
+    body: str                  # the ggml type pure=True gives every quantized tensor
+    head: str | None = None    # output.weight type (None: the body type)
+    about: str = ""
+
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (
+    Recipe("q4_k", "Q4_K_M", "Q4_K", about="all Q4_K: the Q4_K tensors copied, the Q6_K ones requantized"),
+    Recipe("q4_0", "Q4_0", "Q4_0", about="all Q4_0: repacked on x86 and ARM, cheapest single-token path"),
+    Recipe("iq4_nl", "IQ4_NL", "IQ4_NL", about="all IQ4_NL: non-linear 4-bit, repacked on x86"),
+    Recipe("q4_0-q8head", "Q4_0", "Q4_0", head="Q8_0", about="Q4_0 body, Q8_0 LM head (more precise logits)"),
+)}
+FORMAT_NAMES = (SHIPPED, *RECIPES)
+
+
+def recipe(name: str) -> Recipe:
+    if name not in RECIPES:
+        raise InvalidParameterError(f"unknown format '{name}'; known: {', '.join(FORMAT_NAMES)}")
+    return RECIPES[name]
+
+
+def check_names(names: list[str] | tuple[str, ...]) -> None:
+    for n in names:
+        if n != SHIPPED:
+            recipe(n)
+
+
+def variant_path(source: Path, name: str, sha: str) -> Path:
+    return derived_dir(source) / f"{source.stem}.{name}-{sha[:12]}.gguf"
+
+
+def variant_source(path: Path) -> tuple[str, str] | None:
+    """(recipe, SHA-256 of the source) for a variant we derived, else None."""
+    try:
+        reader = open_reader(path)
+    except ModelFileError:
+        return None
+    name, sha = field_value(reader, "via_edge.format.recipe"), field_value(reader, "via_edge.format.source_sha256")
+    version = field_value(reader, "via_edge.format.version")
+    return (name, sha) if name and sha and version == FORMAT_VERSION else None
+
+
+def estimate_size(source: Path, r: Recipe) -> int:
+    """Bytes the variant will take: quantized tensors at the recipe's bits per weight, others copied."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+    total = 0
+    tensors = open_reader(source).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    for t in tensors:
+        if len(t.shape) < 2 or not t.name.endswith(".weight"):  # norms and biases stay F32
+            total += int(t.n_bytes)
+            continue
+        head = t.name == "output.weight" or (t.name == "token_embd.weight" and tied)
+        kind = T[r.head] if (r.head and head) else T[r.body]
+        block, size = GGML_QUANT_SIZES[kind]
+        if int(t.shape[0]) % block:  # llama.cpp falls back to another type; assume one as large as Q8_0
+            block, size = GGML_QUANT_SIZES[T.Q8_0]
+        total += int(t.n_elements) // block * size
+    return total + (4 << 20)  # header, vocabulary, alignment
+
+
+def derive(source: str | os.PathLike, name: str, *, quiet: bool = False, threads: int | None = None) -> Path:
+    """The `name` variant of `source`: reused when present and tagged with this source's SHA-256,
+    else derived with llama_model_quantize (progress on stderr)."""
+    if name == SHIPPED:
+        return Path(source)
+    r = recipe(name)
+    source = Path(source)
+    open_reader(source)  # missing, foreign or truncated: one clear message before anything else
+    sha = sha256_cached(source)
+    dest = variant_path(source, name, sha)
+    if dest.exists() and variant_source(dest) == (name, sha):
+        return dest
+    need = estimate_size(source, r)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_partials(dest)
+    free = shutil.disk_usage(dest.parent).free
+    if free < need + (64 << 20):
+        raise ViaEdgeError(f"not enough free disk in {dest.parent} for the {name} variant of {source.name}: "
+                           f"needs about {need / 1e6:.0f} MB, {free / 1e6:.0f} MB free")
+    tmp = dest.with_name(f"{dest.name}.partial-{os.getpid()}")
+    progress = Progress(f"deriving {name} of {source.name}", need, quiet)
+    try:
+        _quantize(source, tmp, r, sha, threads, progress)
+        if variant_source(tmp) != (name, sha):
+            raise ModelFileError(f"llama.cpp wrote an unreadable {name} variant of {source}")
+        tmp.replace(dest)
+    finally:
+        progress.close()
+        tmp.unlink(missing_ok=True)
+    return dest
+
+
+def _quantize(source: Path, tmp: Path, r: Recipe, sha: str, threads: int | None, progress: Progress) -> None:
+    """Run llama_model_quantize in a worker thread, so that the main thread can show progress and
+    Ctrl-C interrupts at once (the partial file is then removed by the caller)."""
+    head = {}
+    if r.head:  # a tied model's LM head is its token embedding
+        head = {"output_type" if "output.weight" in tensor_types(source) else "embedding_type": r.head}
+    meta = {"via_edge.format.recipe": r.name, "via_edge.format.source_sha256": sha,
+            "via_edge.format.version": FORMAT_VERSION}
+    failed: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            quantize(source, tmp, r.ftype, metadata=meta, threads=threads, **head)
+        except BaseException as exc:  # reported by the main thread
+            failed.append(exc)
+
+    worker = threading.Thread(target=work, name="via-edge-quantize", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.25)
+        try:
+            size = tmp.stat().st_size
+        except OSError:
+            size = 0
+        progress.update(min(size, progress.total) - progress.done)
+    if failed:
+        raise ModelFileError(f"llama.cpp could not requantize {source} to {r.name} ({failed[0]}); is the file a "
+                             "complete GGUF? `via-edge models pull` re-fetches a damaged catalog model")
+    progress.update(progress.total - progress.done)
+
+
+def _remove_stale_partials(dest: Path) -> None:
+    """Partial variants left in this folder by a killed derivation (their process is gone)."""
+    for p in dest.parent.glob("*.gguf.partial-*"):
+        try:
+            pid = int(p.name.rsplit("-", 1)[1])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            p.unlink(missing_ok=True)
+        except (ValueError, PermissionError, OSError):
+            continue
+
+
+def tensor_types(path: str | os.PathLike) -> dict[str, str]:
+    """Tensor name -> ggml type name, read back with gguf-py."""
+    return {t.name: t.tensor_type.name for t in open_reader(path).tensors}
+
+
+def describe(path: Path) -> str:
+    """A format's short name for reports: a variant's recipe, else the file's own type
+    (general.file_type, as llama.cpp names it: Q4_K_M, Q8_0, ...)."""
+    from gguf import LlamaFileType
+
+    src = variant_source(path)
+    if src:
+        return src[0]
+    ftype = field_value(open_reader(path), "general.file_type")
+    try:
+        return LlamaFileType(int(ftype)).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    except (TypeError, ValueError):
+        types = {t for t in tensor_types(path).values() if t not in ("F32", "F16", "BF16")}
+        return "+".join(sorted(types)) or "F32"

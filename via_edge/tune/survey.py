@@ -1,0 +1,113 @@
+"""The format step: derive each weight format of the target and draft, measure what a decode of
+1, 4 and 8 tokens costs in each on this machine, measure each variant's quality against its
+source, and pick. `via-edge models optimize` runs it alone; `via-edge tune` runs it first and
+then replays every mode on each format that clears the quality floor.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+from .. import formats
+from ..errors import InvalidParameterError
+from ..llama import LlamaModel, LoadParams
+from ..quality import Quality, compare, greedy_continuations
+from . import profile as prof
+
+SURVEY_BATCHES = (1, 2, 4, 8, 16)  # 4 and 16: the repack kernels' row blocks
+SURVEY_CONTEXT = 384
+# Teacher-forced top-1 agreement a variant must keep with its source. Measured on this project's
+# machine (docs/benchmarks.md, section 14): pure Q4_K 0.96, the Q4_0 and IQ4_NL variants 0.91-0.94,
+# while batched and single-token kernels of the *same* file already disagree on a few percent of
+# free-running tokens; 0.90 admits the 4-bit formats and rejects a damaged or 2-bit file (Q2_K of
+# SmolLM2: 0.6).
+QUALITY_FLOOR = 0.90
+
+
+def check_floor(floor: float) -> None:
+    if not 0.0 <= floor <= 1.0:
+        raise InvalidParameterError(f"--quality-floor must be in [0, 1], got {floor}")
+
+
+@dataclass
+class FormatRow:
+    """One (model, format): its file, its measured costs and quality (None for the shipped file)."""
+
+    role: str
+    format: str
+    path: Path
+    size: int
+    cost: dict[int, float] = field(default_factory=dict)   # batch -> seconds at SURVEY_CONTEXT
+    quality: Quality | None = None
+
+    def clears(self, floor: float) -> bool:
+        return self.quality is None or self.quality.agreement >= floor
+
+    def to_dict(self) -> dict:
+        return {"role": self.role, "format": self.format, "path": str(self.path), "size": self.size,
+                "cost_ms": {str(n): s * 1e3 for n, s in self.cost.items()},
+                "quality": self.quality.to_dict() if self.quality else None}
+
+
+def pick(rows: Sequence[FormatRow], floor: float, n: int = 1) -> FormatRow:
+    """The cheapest format for a decode of `n` tokens among those that clear the floor (the
+    shipped file always does): plain decoding costs one such call per token."""
+    ok = [r for r in rows if r.clears(floor)]
+    return min(ok, key=lambda r: r.cost[n])
+
+
+def survey(sources: Mapping[str, Path], names: Sequence[str], prompts: Sequence[list[int]], load: LoadParams, *,
+           continuation: int = 48, repeats: int = 5, batches: Sequence[int] = SURVEY_BATCHES,
+           log: Callable[[str], None] = lambda m: None, quiet: bool = False) -> dict[str, list[FormatRow]]:
+    """Per role ("target", "draft"), one row per format in `names` (the shipped file first)."""
+    formats.check_names(list(names))
+    names = [formats.SHIPPED] + [n for n in names if n != formats.SHIPPED]
+    paths = {(role, n): formats.derive(src, n, quiet=quiet, threads=load.n_threads)
+             for role, src in sources.items() for n in names}
+    rows = {role: [FormatRow(role, n, paths[(role, n)], paths[(role, n)].stat().st_size) for n in names]
+            for role in sources}
+    opened: dict[str, LlamaModel] = {}
+    try:
+        for (role, n), path in paths.items():
+            opened[f"{role}/{n}"] = LlamaModel(path, load)
+        for role in sources:
+            source = opened[f"{role}/{formats.SHIPPED}"]
+            t0 = time.monotonic()
+            conts = greedy_continuations(source, prompts, continuation)
+            variants = {n: opened[f"{role}/{n}"] for n in names if n != formats.SHIPPED}
+            found = compare(source, variants, prompts, conts)
+            for r in rows[role]:
+                r.quality = found.get(r.format)
+            log(f"quality of the {role}'s {len(variants)} variants on {sum(map(len, conts))} positions "
+                f"in {time.monotonic() - t0:.0f}s")
+        fill = [t for p in prompts for t in p]
+        t0 = time.monotonic()
+        profile = prof.measure(opened, fill, batches=batches, contexts=(SURVEY_CONTEXT,), repeats=repeats)
+        log(f"costs of {len(opened)} models at n={','.join(map(str, batches))} in {time.monotonic() - t0:.0f}s")
+    finally:
+        for m in opened.values():
+            m.close()
+    for role in sources:
+        for r in rows[role]:
+            r.cost = {n: profile.cost(f"{role}/{r.format}", n, SURVEY_CONTEXT) for n in batches}
+    return rows
+
+
+def table(rows: Mapping[str, Sequence[FormatRow]], floor: float) -> str:
+    """A markdown table of the survey, with what `pick` would choose per role."""
+    ns = sorted(next(iter(rows.values()))[0].cost)
+    head = ["model", "format", "MB"] + [f"n={n} ms" for n in ns] + ["agreement", "KL", "ppl ratio", ""]
+    out = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for role, rs in rows.items():
+        chosen = pick(rs, floor)
+        for r in rs:
+            q = r.quality
+            mark = "picked" if r is chosen else ("" if r.clears(floor) else f"below floor {floor:.2f}")
+            out.append("| " + " | ".join([role, r.format, f"{r.size / 1e6:.0f}"]
+                                          + [f"{r.cost[n] * 1e3:.1f}" for n in ns]
+                                          + ([f"{q.agreement:.3f}", f"{q.kl:.4f}", f"{q.ppl_ratio:.3f}"]
+                                             if q else ["1 (source)", "0", "1"]) + [mark]) + " |")
+    return "\n".join(out)
