@@ -42,8 +42,8 @@ def main() -> None:
     key, _, value = a.env.partition("=")
     settings = {"default": {k: v for k, v in os.environ.items() if k != key}, a.env: {**os.environ, key: value}}
     samples: dict[str, list[dict]] = {s: [] for s in settings}
-    for _ in range(a.rounds):
-        for name, env in settings.items():
+    for r in range(a.rounds):
+        for name, env in list(settings.items())[:: 1 if r % 2 == 0 else -1]:  # order alternates by round
             out = subprocess.run([sys.executable, __file__, *a.models, "--child", "--ctx", str(a.ctx),
                                   "--repeats", str(a.repeats)], env=env, capture_output=True, text=True, check=True)
             samples[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
