@@ -40,10 +40,12 @@ class Quality:
 
 
 def greedy_continuations(model: LlamaModel, prompts: Sequence[list[int]], n: int) -> list[list[int]]:
-    """The model's own greedy output for each prompt (stops at end of generation)."""
+    """The model's own greedy output for each prompt, as `ar` makes it (the prompt but its last
+    token prefilled, then one token per call; stops at end of generation)."""
     out = []
     for prompt in prompts:
         model.reset()
+        model.prefill(prompt[:-1])
         ctx, cont = list(prompt), []
         while len(cont) < n and len(ctx) < model.n_ctx:
             tok = int(model.eval(ctx, 1)[0].argmax())

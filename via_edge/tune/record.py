@@ -15,6 +15,7 @@ import numpy as np
 
 from ..bench.suite import Prompt, _spec_bench_rows
 from ..llama import LlamaModel
+from ..quality import greedy_continuations
 
 
 @dataclass
@@ -64,15 +65,7 @@ def record(target: LlamaModel, draft: LlamaModel | None, prompts: Sequence[list[
     """The target's greedy output for each prompt (as `ar` makes it), and the draft along it."""
     traces = []
     for i, prompt in enumerate(prompts):
-        target.reset()
-        target.prefill(prompt[:-1])
-        ctx, out = list(prompt), []
-        while len(out) < max_new and len(ctx) < target.n_ctx:
-            tok = int(target.eval(ctx, 1)[0].argmax())
-            out.append(tok)
-            ctx.append(tok)
-            if target.is_eog(tok):
-                break
+        out = greedy_continuations(target, [prompt], max_new)[0]
         if draft is not None:
             draft.reset()
             dtop, dp = _rows_stats(draft.eval(prompt + out[:-1], len(out)))
