@@ -19,7 +19,6 @@ from via_edge.llama import LlamaModel, LoadParams
 from via_edge.quality import compare, greedy_continuations
 from via_edge.tune.survey import QUALITY_FLOOR
 
-HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")

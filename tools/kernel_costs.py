@@ -47,7 +47,7 @@ def main() -> None:
             out = subprocess.run([sys.executable, __file__, *a.models, "--child", "--ctx", str(a.ctx),
                                   "--repeats", str(a.repeats)], env=env, capture_output=True, text=True, check=True)
             samples[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print(f"| model | setting | " + " | ".join(f"n={n} ms" for n in BATCHES) + " |")
+    print("| model | setting | " + " | ".join(f"n={n} ms" for n in BATCHES) + " |")
     print("| --- | --- |" + " --- |" * len(BATCHES))
     for p in a.models:
         for name in settings:

@@ -9,12 +9,9 @@ same prompt in the same run.
 from __future__ import annotations
 
 import datetime as _dt
-import os
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from .. import models as catalog
 from ..decoding import SpecParams
