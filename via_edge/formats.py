@@ -37,15 +37,14 @@ class Recipe:
     name: str
     ftype: str                 # LLAMA_FTYPE_MOSTLY_<ftype>
     body: str                  # the ggml type pure=True gives every quantized tensor
-    head: str | None = None    # output.weight type (None: the body type)
-    about: str = ""
+    head: str | None = None    # LM head type (None: the body type)
 
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
-    Recipe("q4_k", "Q4_K_M", "Q4_K", about="all Q4_K: the Q4_K tensors copied, the Q6_K ones requantized"),
-    Recipe("q4_0", "Q4_0", "Q4_0", about="all Q4_0: repacked on x86 and ARM, cheapest single-token path"),
-    Recipe("iq4_nl", "IQ4_NL", "IQ4_NL", about="all IQ4_NL: non-linear 4-bit, repacked on x86"),
-    Recipe("q4_0-q8head", "Q4_0", "Q4_0", head="Q8_0", about="Q4_0 body, Q8_0 LM head (more precise logits)"),
+    Recipe("q4_k", "Q4_K_M", "Q4_K"),                 # the Q4_K tensors copied, the Q6_K ones requantized
+    Recipe("q4_0", "Q4_0", "Q4_0"),                   # repacked on x86 and ARM, cheapest single-token path
+    Recipe("iq4_nl", "IQ4_NL", "IQ4_NL"),             # non-linear 4-bit, repacked on x86
+    Recipe("q4_0-q8head", "Q4_0", "Q4_0", head="Q8_0"),  # Q4_0 body, Q8_0 LM head (more precise logits)
 )}
 FORMAT_NAMES = (SHIPPED, *RECIPES)
 
@@ -82,14 +81,12 @@ def estimate_size(source: Path, r: Recipe) -> int:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
     total = 0
-    tensors = open_reader(source).tensors
-    tied = not any(t.name == "output.weight" for t in tensors)
-    for t in tensors:
+    head_name = lm_head(source)
+    for t in open_reader(source).tensors:
         if len(t.shape) < 2 or not t.name.endswith(".weight"):  # norms and biases stay F32
             total += int(t.n_bytes)
             continue
-        head = t.name == "output.weight" or (t.name == "token_embd.weight" and tied)
-        kind = T[r.head] if (r.head and head) else T[r.body]
+        kind = T[r.head] if (r.head and t.name == head_name) else T[r.body]
         block, size = GGML_QUANT_SIZES[kind]
         if int(t.shape[0]) % block:  # llama.cpp falls back to another type; assume one as large as Q8_0
             block, size = GGML_QUANT_SIZES[T.Q8_0]
@@ -111,7 +108,7 @@ def derive(source: str | os.PathLike, name: str, *, quiet: bool = False, threads
         return dest
     need = estimate_size(source, r)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_partials(dest)
+    _remove_stale_partials(dest.parent)
     free = shutil.disk_usage(dest.parent).free
     if free < need + (64 << 20):
         raise ViaEdgeError(f"not enough free disk in {dest.parent} for the {name} variant of {source.name}: "
@@ -133,8 +130,8 @@ def _quantize(source: Path, tmp: Path, r: Recipe, sha: str, threads: int | None,
     """Run llama_model_quantize in a worker thread, so that the main thread can show progress and
     Ctrl-C interrupts at once (the partial file is then removed by the caller)."""
     head = {}
-    if r.head:  # a tied model's LM head is its token embedding
-        head = {"output_type" if "output.weight" in tensor_types(source) else "embedding_type": r.head}
+    if r.head:
+        head = {"output_type" if lm_head(source) == "output.weight" else "embedding_type": r.head}
     meta = {"via_edge.format.recipe": r.name, "via_edge.format.source_sha256": sha,
             "via_edge.format.version": FORMAT_VERSION}
     failed: list[BaseException] = []
@@ -160,9 +157,9 @@ def _quantize(source: Path, tmp: Path, r: Recipe, sha: str, threads: int | None,
     progress.update(progress.total - progress.done)
 
 
-def _remove_stale_partials(dest: Path) -> None:
-    """Partial variants left in this folder by a killed derivation (their process is gone)."""
-    for p in dest.parent.glob("*.gguf.partial-*"):
+def _remove_stale_partials(folder: Path) -> None:
+    """Partial variants left in `folder` by a killed derivation (their process is gone)."""
+    for p in folder.glob("*.gguf.partial-*"):
         try:
             pid = int(p.name.rsplit("-", 1)[1])
             os.kill(pid, 0)
@@ -170,6 +167,11 @@ def _remove_stale_partials(dest: Path) -> None:
             p.unlink(missing_ok=True)
         except (ValueError, PermissionError, OSError):
             continue
+
+
+def lm_head(path: str | os.PathLike) -> str:
+    """The tensor that computes the logits: `output.weight`, or on a tied model the embedding."""
+    return "output.weight" if any(t.name == "output.weight" for t in open_reader(path).tensors) else "token_embd.weight"
 
 
 def tensor_types(path: str | os.PathLike) -> dict[str, str]:
