@@ -24,7 +24,8 @@ from .decoding import SpecParams
 from .engine import Engine
 from .errors import InvalidParameterError, ViaEdgeError
 from .formats import FORMAT_NAMES, check_names
-from .llama import EXACT
+from .batching import DEFAULT_PARALLEL
+from .llama import EXACT, MAX_SEQ
 from .modes import MODE_NAMES
 from .tune.survey import QUALITY_FLOOR, check_floor
 
@@ -88,7 +89,8 @@ MODEL_OPTS = (
     Opt("untuned", bool, False, "Ignore the pair's tuned choice (via-edge tune) on this machine.", ("--untuned",)),
 )
 RUN_OPTS = (
-    Opt("ctx", int, 4096, "Context window (tokens).", lo=16, hi=1 << 20),
+    Opt("ctx", Optional[int], None, "Context window in tokens (default 4096; serve: the total over its --parallel "
+        "slots, default 4096 per slot).", lo=16, hi=1 << 20),
     Opt("threads", Optional[int], None, "CPU threads (default: all cores).", lo=1, hi=1024),
     Opt("gpu_layers", int, -1, "Layers to offload to Metal/GPU (-1: all; CPU builds ignore it).", lo=-1, hi=100000),
     Opt("flash_attn", Optional[bool], None, "Default: auto.", ("--flash-attn/--no-flash-attn",)),
@@ -109,7 +111,7 @@ SPEC_KNOBS = tuple(o.name for o in SPEC_OPTS)
 # ranges of the commands' own numeric options, checked before anything loads
 RANGES = {"max_tokens": (1, 1 << 20), "port": (0, 65535), "max_body": (1, None), "max_tokens_limit": (1, None),
           "per_category": (1, None), "search_evals": (1, None), "calib_tokens": (2, None), "heldout": (1, None),
-          "verify_tokens": (2, None), "repeats": (1, None)}
+          "verify_tokens": (2, None), "repeats": (1, None), "parallel": (1, MAX_SEQ), "max_queue": (0, 4096)}
 
 
 @dataclass
@@ -130,14 +132,15 @@ class Options:
     def sampling(self) -> dict[str, Any]:
         return {o.name: self.values[o.name] for o in SAMPLING_OPTS if o.name in self.values}
 
-    def engine(self, mode: str | None, fallback_mode: str = "ar", progress: bool = False) -> Engine:
+    def engine(self, mode: str | None, fallback_mode: str = "ar", progress: bool = False,
+               n_parallel: int = 1) -> Engine:
         """The engine these options describe: a pair (with its tuned choice) or explicit files.
 
         Knobs left unset come from the pair's tuned choice on this machine when there is one
         (`via-edge tune`), else from SpecParams' defaults.
         """
         v = self.values
-        kw: dict[str, Any] = dict(n_ctx=v["ctx"], n_threads=v["threads"], n_gpu_layers=v["gpu_layers"],
+        kw: dict[str, Any] = dict(n_ctx=v["ctx"] or 4096 * n_parallel, n_parallel=n_parallel, n_threads=v["threads"], n_gpu_layers=v["gpu_layers"],
                                   flash_attn=v["flash_attn"], kv_type=v["kv_type"], pull_missing=True,
                                   progress=_load_progress if progress else None)
         if v["exact"]:
@@ -338,18 +341,23 @@ def serve(
     mode: Optional[str] = _mode_opt("sd", "Default decoding mode; requests may set 'mode'"),
     max_body: int = typer.Option(1 << 20, help="Largest request body in bytes."),
     max_tokens_limit: int = typer.Option(4096, help="Largest max_tokens a request may ask for."),
+    parallel: int = typer.Option(DEFAULT_PARALLEL, "--parallel", "-np", help="Requests generated at once, batched "
+                                 "into shared decodes (slots; the context is split over them)."),
+    max_queue: int = typer.Option(16, help="Requests that may wait for a slot; one more gets a 503."),
     opts: Options = None,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)."""
     from .server import bind, run
 
     sock = bind(host, port)  # a busy port fails here, before a model loads
-    with sock, opts.engine(mode, fallback_mode="sd", progress=True) as engine:
+    with sock, opts.engine(mode, fallback_mode="sd", progress=True, n_parallel=parallel) as engine:
         _tuning_hint(engine, opts.target)
         _doing("the server", "nothing was written")
         url = f"http://{host}:{sock.getsockname()[1]}/v1"
-        run(engine, sock, on_ready=lambda: _err(f"via-edge serving {engine.model_name} ({engine.mode}) on {url}"),
-            max_body=max_body, max_tokens_limit=max_tokens_limit)
+        slots = f", {parallel} slots of {engine.target.n_ctx} tokens" if parallel > 1 else ""
+        run(engine, sock, on_ready=lambda: _err(f"via-edge serving {engine.model_name} ({engine.mode}{slots}) "
+                                                f"on {url}"),
+            max_body=max_body, max_tokens_limit=max_tokens_limit, max_queue=max_queue)
 
 
 @app.command()

@@ -20,6 +20,7 @@ def timings(result: Result, digits: int = 3) -> dict:
     """llama-server's `timings` object, with the speculative counters and tier counts."""
     s = result.stats
     return {
+        "queued_ms": round(s.queue_seconds * 1e3, digits),
         "prompt_n": s.prompt_tokens, "prompt_ms": round(s.prefill_seconds * 1e3, digits),
         "prompt_per_second": round(s.prompt_tokens_per_second, digits),
         "predicted_n": s.generated_tokens, "predicted_ms": round(s.generate_seconds * 1e3, digits),
@@ -40,7 +41,8 @@ def _params(kwargs: dict) -> dict:
     for key, value in kwargs.items():
         if value is None:
             continue
-        if key in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "mode", "spec", "should_stop"):
+        if key in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "mode", "spec", "should_stop",
+                   "arrived"):
             out[key] = value
         elif key == "stop":
             out["stop"] = [value] if isinstance(value, str) else list(value)

@@ -8,17 +8,20 @@ turns prompts into tokens, runs the decoding loop and turns tokens back into str
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass, replace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
 from . import formats
 from . import models as catalog
+from .batching import BatchedSeq, Scheduler
 from .decoding import Decoder, SpecParams
 from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, check_compatible
 from .errors import ContextOverflowError, InvalidParameterError
-from .llama import LlamaModel, LoadParams
+from .llama import MAX_SEQ, LlamaModel, LoadParams, common_prefix
 from .modes import TARGET, Mode, Origin, Tier, mode_info
 from .prompts import chat_tokens
 from .sampling import SamplingParams
@@ -61,13 +64,14 @@ class Stream:
 
     The result is built in the generator's `finally`, so it is there however the stream ends:
     drained, closed, or read early (reading `result` of a stream still running ends it, with
-    finish_reason "cancelled").
+    finish_reason "cancelled"). The generator holds only the list the result goes into, not the
+    stream, so a stream dropped half-read ends (and frees its slot) as soon as it is unreferenced.
     """
 
-    def __init__(self, run: Callable[["Stream"], Iterator[Piece]], empty: Result) -> None:
-        self._result: Result | None = None
+    def __init__(self, run: Callable[[list[Result]], Iterator[Piece]], empty: Result) -> None:
+        self._box: list[Result] = []
         self._empty = empty  # the result if it is closed before it started
-        self._gen = run(self)
+        self._gen = run(self._box)
 
     def __iter__(self) -> "Stream":
         return self
@@ -77,14 +81,56 @@ class Stream:
 
     def close(self) -> None:
         self._gen.close()
-        if self._result is None:
-            self._result = self._empty
+        if not self._box:
+            self._box.append(self._empty)
 
     @property
     def result(self) -> Result:
-        if self._result is None:
+        if not self._box:
             self.close()
-        return self._result
+        return self._box[0]
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass
+class BatchResult:
+    """The results of `Engine.generate_batch`, in the order of its prompts, and the batch's wall time."""
+
+    results: list[Result]
+    seconds: float
+
+    def __len__(self) -> int:
+        return len(self.results)
+
+    def __getitem__(self, i: int) -> Result:
+        return self.results[i]
+
+    def __iter__(self) -> Iterator[Result]:
+        return iter(self.results)
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(r.tokens) for r in self.results)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Aggregate throughput: every prompt's tokens over the batch's wall time."""
+        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _Slot:
+    """One generation's place in the engine: sequence `index` of every model, and the loop's
+    views of them (built as modes need them)."""
+
+    index: int
+    scored: dict[str, ScoredModel] = field(default_factory=dict)
+    drafters: dict[str, Drafter] = field(default_factory=dict)
 
 
 @dataclass
@@ -96,7 +142,12 @@ class _Models:
 
 
 class Engine:
-    """One target plus optional draft and slim, loaded once and reused across calls."""
+    """One target plus optional draft and slim, loaded once and reused across calls.
+
+    With `n_parallel` > 1 every model holds that many KV sequences (slots, `n_ctx` split over
+    them) and up to that many generations, each in its own thread, advance together in shared
+    decodes (batching.py); more wait for a free slot. With 1, calls take turns.
+    """
 
     def __init__(
         self,
@@ -108,6 +159,7 @@ class Engine:
         draft_layers: str | None = None,
         slim_layers: str | None = None,
         n_ctx: int = 4096,
+        n_parallel: int = 1,
         n_threads: int | None = None,
         n_gpu_layers: int = -1,
         flash_attn: bool | None = None,
@@ -122,13 +174,23 @@ class Engine:
         progress: Callable[[str, float], None] | None = None,
     ) -> None:
         mode_info(mode)
+        if not 1 <= n_parallel <= MAX_SEQ:
+            raise InvalidParameterError(f"n_parallel must be in 1..{MAX_SEQ}, got {n_parallel}")
         if slim_kv not in ("import", "prefill"):
             raise InvalidParameterError("slim_kv must be 'import' or 'prefill'")
         self.mode = mode
         self.spec = spec
         self.mode_specs = dict(mode_specs or {})  # per-mode knobs (a tuned configuration) over `spec`
         self.load = LoadParams(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
-                               flash_attn=flash_attn, use_extra_bufts=use_extra_bufts, kv_type=kv_type)
+                               flash_attn=flash_attn, use_extra_bufts=use_extra_bufts, kv_type=kv_type,
+                               n_seq=n_parallel)
+        self.n_parallel = n_parallel
+        self._scheduler = Scheduler() if n_parallel > 1 else None
+        self._slots = [_Slot(i) for i in range(n_parallel)]
+        self._free = list(self._slots)
+        self._slot_cv = threading.Condition()
+        self._load_lock = threading.Lock()  # one thread loads a mode's models
+        self._busy = 0
         self._progress = progress
         self._pull = pull_missing
         self._f32 = f32  # run F32 copies of quantized models: see slim.build_f32
@@ -143,8 +205,6 @@ class Engine:
         self._lookup_ngram = lookup_ngram
         self._slim_kv = slim_kv
         self.models = _Models(self._load("target", self.target_path))
-        self._drafters: dict[str, Drafter] = {}
-        self._scored: dict[str, ScoredModel] = {}
         self.tuned: TunedConfig | None = None  # set by from_pair when a tuned choice applied
         self.prepare(mode)
 
@@ -203,6 +263,10 @@ class Engine:
 
     def prepare(self, mode: str) -> None:
         """Load whatever `mode` needs that is not loaded yet."""
+        with self._load_lock:
+            self._prepare(mode)
+
+    def _prepare(self, mode: str) -> None:
         info, m = mode_info(mode), self.models
         if info.draft_model and m.draft is None:
             m.draft = self._load_derived("draft", self._draft_spec, self._draft_layers, mode)
@@ -224,21 +288,57 @@ class Engine:
         check_compatible(self.models.target, model, role)
         return model
 
-    def _drafter(self, mode: str) -> Drafter | None:
+    def _drafter(self, slot: _Slot, mode: str) -> Drafter | None:
         kind = mode_info(mode).drafter
-        if kind is not None and kind not in self._drafters:
-            self._drafters[kind] = (PromptLookupDrafter(self.models.target.n_vocab, self._lookup_ngram)
-                                    if kind == "lookup" else ModelDrafter(self._scorer("draft")))
-        return self._drafters.get(kind) if kind else None
+        if kind is not None and kind not in slot.drafters:
+            slot.drafters[kind] = (PromptLookupDrafter(self.models.target.n_vocab, self._lookup_ngram)
+                                   if kind == "lookup" else ModelDrafter(self._scorer(slot, "draft")))
+        return slot.drafters.get(kind) if kind else None
 
-    def _scorer(self, role: str) -> ScoredModel | None:
-        """The decoding loop's view of a loaded model (kept, so its EOG lookups are cached)."""
+    def _scorer(self, slot: _Slot, role: str) -> ScoredModel | None:
+        """The decoding loop's view of a slot's sequence of a loaded model (kept, so its EOG
+        lookups are cached): direct with one slot, through the scheduler with several."""
         model = getattr(self.models, role)
         if model is None:
             return None
-        if role not in self._scored or self._scored[role].model is not model:
-            self._scored[role] = ScoredModel(model)
-        return self._scored[role]
+        if role not in slot.scored or slot.scored[role].model is not model:
+            seq = model.seqs[slot.index]
+            slot.scored[role] = ScoredModel(model, seq if self._scheduler is None else
+                                            BatchedSeq(seq, self._scheduler))
+        return slot.scored[role]
+
+    # ---- slots ----------------------------------------------------------------------------------
+    def _acquire(self, prompt: Sequence[int]) -> _Slot:
+        """A free slot, waiting for one; the one whose cache shares most of `prompt` (a chat's
+        next turn finds its own history). With one slot, calls share it as they always have: a
+        stream left half-read does not block the next call, which re-syncs the KV cache."""
+        with self._slot_cv:
+            self._busy += 1
+        if self._scheduler is None:
+            return self._slots[0]
+        with self._slot_cv:
+            while not self._free:
+                self._slot_cv.wait()
+            slot = max(self._free, key=lambda s: common_prefix(self.target.seqs[s.index].tokens, prompt))
+            self._free.remove(slot)
+        if self._scheduler is not None:
+            self._scheduler.enter()
+        return slot
+
+    def _release(self, slot: _Slot) -> None:
+        with self._slot_cv:
+            self._busy -= 1
+        if self._scheduler is None:
+            return
+        self._scheduler.leave()
+        with self._slot_cv:
+            self._free.append(slot)
+            self._slot_cv.notify()
+
+    @property
+    def slots_busy(self) -> int:
+        """Generations under way (with several slots, at most n_parallel)."""
+        return self._busy
 
     # ---- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -276,10 +376,17 @@ class Engine:
     # ---- generation -----------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], **kwargs) -> Result:
         """Generate to completion; see `stream` for the parameters."""
-        stream = self.stream(prompt, **kwargs)
-        for _ in stream:
-            pass
-        return stream.result
+        return _drain(self.stream(prompt, **kwargs))
+
+    def generate_batch(self, prompts: Sequence[str | Sequence[int]], **kwargs) -> BatchResult:
+        """Generate for every prompt, up to `n_parallel` at a time in shared decodes; one result
+        per prompt, in order. Keywords as for `stream`, the same for every prompt. Every prompt
+        is checked before any runs."""
+        t0 = time.perf_counter()
+        streams = [self.stream(p, arrived=t0, **kwargs) for p in prompts]
+        with ThreadPoolExecutor(max_workers=self.n_parallel, thread_name_prefix="via-edge-slot") as pool:
+            results = list(pool.map(_drain, streams))
+        return BatchResult(results, time.perf_counter() - t0)
 
     def chat(self, messages: Sequence[Mapping[str, str]], **kwargs) -> Result:
         return self.generate(self.chat_prompt(messages), **kwargs)
@@ -299,13 +406,17 @@ class Engine:
         chat_template: bool = True,
         spec: SpecParams | None = None,
         should_stop: Callable[[], bool] | None = None,
+        arrived: float | None = None,
     ) -> Stream:
         """Text pieces as tokens are committed; the stream's `result` carries text, tokens and stats.
 
         A str prompt gets the model's chat template unless `chat_template=False`; a token list is
         used as is. `temperature=0` is greedy. `should_stop` is polled after every token (a
         server's disconnected client, say); when it returns True the result ends as "cancelled".
+        The generation takes a slot when the stream is first read; the time from `arrived` (a
+        `time.perf_counter()` value, default: now) until then is the stats' `queue_seconds`.
         """
+        arrived = time.perf_counter() if arrived is None else arrived
         mode = mode or self.mode
         mode_info(mode)
         if max_tokens < 1:
@@ -320,17 +431,28 @@ class Engine:
                                        f"{self.target.n_ctx}; shorten it or raise n_ctx")
         spec = spec or self.mode_specs.get(mode) or self.spec
         empty = Result("", [], [], [], "cancelled", Stats(prompt_tokens=len(tokens)), mode, len(tokens))
-        return Stream(lambda stream: self._run(stream, tokens, mode, sp, max_tokens, stop, spec, should_stop),
-                      empty)
+        return Stream(lambda box: self._run(box, tokens, mode, sp, max_tokens, stop, spec, should_stop,
+                                               arrived), empty)
 
-    def _run(self, stream: Stream, prompt: list[int], mode: str, sp: SamplingParams, max_tokens: int,
-             stop: Sequence[str], spec: SpecParams, should_stop: Callable[[], bool] | None) -> Iterator[Piece]:
+    def _run(self, box: list[Result], prompt: list[int], mode: str, sp: SamplingParams, max_tokens: int,
+             stop: Sequence[str], spec: SpecParams, should_stop: Callable[[], bool] | None,
+             arrived: float) -> Iterator[Piece]:
+        slot = self._acquire(prompt)
+        try:
+            yield from self._generate(box, slot, prompt, mode, sp, max_tokens, stop, spec, should_stop,
+                                      time.perf_counter() - arrived)
+        finally:
+            self._release(slot)
+
+    def _generate(self, box: list[Result], slot: _Slot, prompt: list[int], mode: str, sp: SamplingParams,
+                  max_tokens: int, stop: Sequence[str], spec: SpecParams, should_stop: Callable[[], bool] | None,
+                  queued: float) -> Iterator[Piece]:
         info = mode_info(mode)
-        stats = Stats(prompt_tokens=len(prompt))
+        stats = Stats(prompt_tokens=len(prompt), queue_seconds=queued)
         roles = ["target"] + ["draft"] * info.draft_model + ["slim"] * info.slim
-        used = [(role, getattr(self.models, role)) for role in roles]
-        before = {role: replace(model.usage) for role, model in used}
-        target = self._scorer("target")
+        used = [(role, self._scorer(slot, role)) for role in roles]
+        before = {role: replace(scored.seq.usage) for role, scored in used}  # this slot's share only
+        target = self._scorer(slot, "target")
         out_tokens: list[int] = []
         origins: list[Origin] = []
         tiers: list[Tier] = []
@@ -338,10 +460,10 @@ class Engine:
         finish = "cancelled"  # unless the loop below says otherwise: the consumer stopped reading
         t0 = t1 = time.perf_counter()
         try:
-            self._prefill(prompt[:-1], used)
+            self._prefill(slot, prompt[:-1], used)
             t1 = time.perf_counter()
             stats.prefill_seconds = t1 - t0
-            decoder = Decoder(target, self._drafter(mode), self._scorer("slim"), spec)
+            decoder = Decoder(target, self._drafter(slot, mode), self._scorer(slot, "slim"), spec)
             text_out = StreamDecoder()
             stops = StopMatcher(stop)
             stopped_by_string = False
@@ -379,24 +501,29 @@ class Engine:
                     finish = kept
         finally:
             stats.generate_seconds = time.perf_counter() - t1
-            for role, model in used:
-                setattr(stats, role, model.usage.since(before[role]))
-            stream._result = Result("".join(pieces), out_tokens, origins, tiers, finish, stats, mode, len(prompt))
+            for role, scored in used:
+                setattr(stats, role, scored.seq.usage.since(before[role]))
+            box.append(Result("".join(pieces), out_tokens, origins, tiers, finish, stats, mode, len(prompt)))
 
-    def _prefill(self, tokens: list[int], used: list[tuple[str, LlamaModel]]) -> None:
+    def _prefill(self, slot: _Slot, tokens: list[int], used: list[tuple[str, ScoredModel]]) -> None:
         """Fill every model's KV with the prompt (all but its last token, which each round decodes).
 
         A prefix slim imports the target's KV instead of recomputing it (see docs/design.md).
         """
-        if not tokens:
-            for _, model in used:
-                model.reset()
-            return
         m = self.models
-        for role, model in used:
-            if role == "slim" and m.slim_prefix and self._slim_kv == "import":
-                if model.tokens[:len(tokens)] != tokens:
-                    state = slice_seq_state(m.target.seq_state(), m.slim_prefix)
-                    model.set_seq_state(state, m.target.tokens)
-                continue
-            model.prefill(tokens)
+        for role, scored in used:
+            seq = scored.model.seqs[slot.index]
+            if not tokens:
+                seq.reset()
+            elif role == "slim" and m.slim_prefix and self._slim_kv == "import":
+                if seq.tokens[:len(tokens)] != tokens:
+                    source = m.target.seqs[slot.index]
+                    seq.set_state(slice_seq_state(source.state(), m.slim_prefix), source.tokens)
+            else:
+                scored.seq.prefill(tokens)
+
+
+def _drain(stream: Stream) -> Result:
+    for _ in stream:
+        pass
+    return stream.result

@@ -1,9 +1,10 @@
 """The llama.cpp adapter: the only module that touches ctypes.
 
-One `LlamaModel` is a loaded GGUF with one context and one KV sequence. It remembers which tokens
-its KV cache holds, so callers hand it the whole token context and it decodes only what is new,
-rolling back whatever diverged: that is how the draft, the slim verifier and the target stay in
-sync without re-prefilling each round.
+One `LlamaModel` is a loaded GGUF with one context holding one or more KV sequences (`Seq`, one
+per server slot); the model's own decode/eval methods work on sequence 0. A sequence remembers
+which tokens its KV cache holds, so callers hand it the whole token context and it decodes only
+what is new, rolling back whatever diverged. `decode_batch` carries several sequences' tokens in
+one llama_decode (the scheduler's continuous batching).
 
 Logits come back as read-only numpy views onto llama.cpp's output buffer (no copy of the
 vocabulary per row); a view is valid until the next decode on the same model.
@@ -33,6 +34,7 @@ if log.level == logging.NOTSET:
 _init_lock = threading.Lock()
 _initialized = False
 _log_callback = None  # must outlive every log line llama.cpp prints, so it lives here forever
+MAX_SEQ = 64  # sequences per context we accept (llama.cpp's own limit is higher)
 _KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}  # ggml_type values
 _LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
 
@@ -136,6 +138,8 @@ class LoadParams:
     use_extra_bufts: bool | None = None
     kv_type: str = "f16"
     capture: tuple[str, ...] = field(default=())
+    n_seq: int = 1             # sequences (server slots) sharing the context; n_ctx is their total
+    kv_unified: bool = False   # one KV buffer all sequences attend through (else one per sequence)
 
     def resolved_extra_bufts(self) -> bool:
         return extra_bufts_default() if self.use_extra_bufts is None else self.use_extra_bufts
@@ -177,12 +181,20 @@ class LlamaModel:
         self._vocab = lc.llama_model_get_vocab(self._model)
 
         n_ctx_train = lc.llama_model_n_ctx_train(self._model)
-        n_ctx = min(params.n_ctx, n_ctx_train) if n_ctx_train > 0 else params.n_ctx
+        if not 1 <= params.n_seq <= MAX_SEQ:
+            raise InvalidParameterError(f"the number of sequences must be in 1..{MAX_SEQ}, got {params.n_seq}")
+        per_seq = params.n_ctx // params.n_seq  # split the way llama-server splits it over its slots
+        per_seq = min(per_seq, n_ctx_train) if n_ctx_train > 0 else per_seq
+        if per_seq < 16:
+            raise InvalidParameterError(f"n_ctx={params.n_ctx} over {params.n_seq} sequences leaves "
+                                        f"{per_seq} tokens each; raise n_ctx")
+        n_ctx = per_seq * params.n_seq
         cp = lc.llama_context_default_params()
         cp.n_ctx = n_ctx
         cp.n_batch = min(params.n_batch, n_ctx)
         cp.n_ubatch = min(params.n_ubatch, cp.n_batch)
-        cp.n_seq_max = 1
+        cp.n_seq_max = params.n_seq
+        cp.kv_unified = params.kv_unified
         cp.n_threads = params.n_threads or default_threads()
         cp.n_threads_batch = params.n_threads_batch or cp.n_threads
         cp.flash_attn_type = {None: lc.LLAMA_FLASH_ATTN_TYPE_AUTO, True: lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -199,7 +211,8 @@ class LlamaModel:
             self.close()
             raise ModelFileError(f"llama.cpp could not create a context for {self.path}")
         self._mem = lc.llama_get_memory(self._ctx)
-        self.n_ctx = lc.llama_n_ctx(self._ctx)
+        self.n_ctx_total = lc.llama_n_ctx(self._ctx)
+        self.n_ctx = self.n_ctx_total // params.n_seq  # what one sequence may hold
         self.n_batch = cp.n_batch
         self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
         self.n_layer = lc.llama_model_n_layer(self._model)
@@ -211,8 +224,9 @@ class LlamaModel:
         self.vocab_type = lc.llama_vocab_type(self._vocab)
         self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
         self._logits_ptr_type = ctypes.POINTER(ctypes.c_float)
-        self.tokens: list[int] = []  # what the KV cache holds, position i = tokens[i]
-        self.usage = ModelUsage()
+        self.lock = threading.Lock()  # one llama.cpp call on this context at a time
+        self.seqs = [Seq(self, i, self.n_ctx) for i in range(params.n_seq)]
+        self.usage = ModelUsage()  # every decode, whichever sequences it carried
 
     # ---- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -283,20 +297,149 @@ class LlamaModel:
         raw = _llama_cpp().llama_model_chat_template(self._model, None)
         return raw.decode("utf-8") if raw else None
 
-    # ---- decoding -------------------------------------------------------------------------------
+    # ---- decoding (sequence 0; other sequences through `seqs`) ---------------------------------
+    @property
+    def tokens(self) -> list[int]:
+        return self.seqs[0].tokens
+
+    @tokens.setter
+    def tokens(self, value: list[int]) -> None:
+        self.seqs[0].tokens = value
+
+    @property
+    def n_past(self) -> int:
+        return len(self.seqs[0].tokens)
+
+    def truncate(self, n: int) -> None:
+        self.seqs[0].truncate(n)
+
+    def reset(self) -> None:
+        """Empty every sequence's KV cache."""
+        with self.lock:
+            _llama_cpp().llama_memory_clear(self._mem, True)
+            for seq in self.seqs:
+                seq.tokens.clear()
+
+    def decode(self, tokens: Sequence[int], rows: Sequence[int] | str = "last") -> np.ndarray:
+        return self.seqs[0].decode(tokens, rows)
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        self.seqs[0].prefill(tokens)
+
+    def eval(self, tokens: Sequence[int], n_rows: int = 1) -> np.ndarray:
+        return self.seqs[0].eval(tokens, n_rows)
+
+    def seq_state(self) -> bytes:
+        return self.seqs[0].state()
+
+    def set_seq_state(self, data: bytes, tokens: Sequence[int]) -> None:
+        self.seqs[0].set_state(data, tokens)
+
+    def decode_batch(self, parts: Sequence[tuple["Seq", Sequence[int], Sequence[int]]]) -> list[np.ndarray]:
+        """One llama_decode of several sequences' tokens: `parts` are (sequence, tokens appended at
+        its next positions, row indices into those tokens), at most `n_batch` tokens in all.
+
+        Returns each part's rows as its own array (copied: another part's owner may decode again
+        before this one has read them).
+        """
+        total = sum(len(toks) for _, toks, _ in parts)
+        if not 0 < total <= self.n_batch:
+            raise ValueError(f"a batch holds 1..{self.n_batch} tokens, got {total}")
+        for seq, toks, _ in parts:
+            if seq.n_past + len(toks) > seq.n_ctx:
+                raise ContextOverflowError(f"context window full: {seq.n_past} + {len(toks)} tokens exceed "
+                                           f"the sequence's n_ctx={seq.n_ctx}")
+        with self.lock:
+            logits = self._run(parts)
+            out, at = [], 0
+            for _, _, rows in parts:
+                out.append(np.array(logits[at:at + len(rows)]))
+                at += len(rows)
+        return out
+
+    def _run(self, parts: Sequence[tuple["Seq", Sequence[int], Sequence[int]]]) -> np.ndarray:
+        """Fill the batch, decode, account; logits rows in batch order (a view). Caller holds the lock."""
+        lc = _llama_cpp()
+        b = self._batch
+        i = n_rows = 0
+        starts = []
+        for seq, chunk, rows in parts:
+            pos0, sid = len(seq.tokens), seq.id
+            starts.append(pos0)
+            flags = bytearray(len(chunk))
+            for r in rows:
+                flags[r] = 1
+            n_rows += len(rows)
+            for j, tok in enumerate(chunk):
+                b.token[i] = tok
+                b.pos[i] = pos0 + j
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = sid
+                b.logits[i] = flags[j]
+                i += 1
+        b.n_tokens = i
+        if self._capture is not None:
+            self._capture.begin()
+        t0 = time.perf_counter()
+        rc = lc.llama_decode(self._ctx, b)
+        lc.llama_synchronize(self._ctx)  # Metal computes asynchronously; time the real work
+        dt = time.perf_counter() - t0
+        self.usage.calls += 1
+        self.usage.tokens += i
+        self.usage.seconds += dt
+        if rc != 0:
+            # the cache may hold part of the batch: drop it so every `tokens` stays the truth
+            for (seq, chunk, _), pos0 in zip(parts, starts):
+                lc.llama_memory_seq_rm(self._mem, seq.id, pos0, -1)
+            if rc == 1:
+                raise ContextOverflowError(f"no KV cache slot for {i} tokens")
+            raise RuntimeError(f"llama_decode failed with code {rc}")
+        for seq, chunk, _ in parts:
+            seq.tokens.extend(chunk)
+            seq.usage.calls += 1
+            seq.usage.tokens += len(chunk)
+            seq.usage.seconds += dt
+        if not n_rows:
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        ptr = ctypes.cast(lc.llama_get_logits(self._ctx), self._logits_ptr_type)
+        view = np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab))
+        view.flags.writeable = False
+        return view
+
+    def captured(self, name: str) -> np.ndarray:
+        """Rows of an intermediate tensor (e.g. `l_out-3`) from the last decode; needs `capture`."""
+        if self._capture is None:
+            raise RuntimeError("load with LoadParams(capture=(...)) to read intermediate tensors")
+        return self._capture.result(name, self.n_embd)
+
+
+class Seq:
+    """One sequence of a model's KV cache: its id, the tokens it holds (position i = tokens[i]),
+    its share of the context and of the decode work.
+
+    It hands the model the whole token context and decodes only what is new, rolling back
+    whatever diverged: that is how the draft, the slim verifier and the target stay in sync
+    without re-prefilling each round.
+    """
+
+    def __init__(self, model: LlamaModel, seq_id: int, n_ctx: int) -> None:
+        self.model, self.id, self.n_ctx = model, seq_id, n_ctx
+        self.tokens: list[int] = []
+        self.usage = ModelUsage()
+
     @property
     def n_past(self) -> int:
         return len(self.tokens)
 
     def truncate(self, n: int) -> None:
-        """Roll the KV cache back so that it holds the first `n` tokens."""
+        """Roll this sequence's KV back so that it holds its first `n` tokens."""
         if n < len(self.tokens):
-            _llama_cpp().llama_memory_seq_rm(self._mem, 0, n, -1)
+            with self.model.lock:
+                _llama_cpp().llama_memory_seq_rm(self.model._mem, self.id, n, -1)
             del self.tokens[n:]
 
     def reset(self) -> None:
-        _llama_cpp().llama_memory_clear(self._mem, True)
-        self.tokens.clear()
+        self.truncate(0)
 
     def decode(self, tokens: Sequence[int], rows: Sequence[int] | str = "last") -> np.ndarray:
         """Append `tokens` at the next positions; logits for the asked rows (indices into `tokens`).
@@ -307,82 +450,42 @@ class LlamaModel:
         n = len(tokens)
         if n == 0:
             raise ValueError("decode needs at least one token")
-        if rows == "last":
-            want = [n - 1]
-        elif rows == "all":
-            want = list(range(n))
-        elif rows == "none":
-            want = []
-        else:
-            want = list(rows)
+        want = _rows(rows, n)
         if self.n_past + n > self.n_ctx:
             raise ContextOverflowError(
                 f"context window full: {self.n_past} + {n} tokens exceed n_ctx={self.n_ctx}"
             )
+        model = self.model
         out = None
         filled = 0
-        for start in range(0, n, self.n_batch):
-            chunk = tokens[start:start + self.n_batch]
+        for start in range(0, n, model.n_batch):
+            chunk = tokens[start:start + model.n_batch]
             chunk_rows = [r - start for r in want if start <= r < start + len(chunk)]
-            view = self._decode_chunk(chunk, chunk_rows)
+            with model.lock:
+                view = model._run(((self, chunk, chunk_rows),))
             if chunk_rows and len(chunk_rows) == len(want):
                 return view
             if chunk_rows:
                 if out is None:
-                    out = np.empty((len(want), self.n_vocab), dtype=np.float32)
+                    out = np.empty((len(want), model.n_vocab), dtype=np.float32)
                 out[filled:filled + len(chunk_rows)] = view
                 filled += len(chunk_rows)
-        return out if out is not None else np.empty((0, self.n_vocab), dtype=np.float32)
+        return out if out is not None else np.empty((0, model.n_vocab), dtype=np.float32)
 
-    def _decode_chunk(self, chunk: Sequence[int], rows: Sequence[int]) -> np.ndarray:
-        lc = _llama_cpp()
-        b = self._batch
-        pos0 = len(self.tokens)
-        flags = bytearray(len(chunk))
-        for r in rows:
-            flags[r] = 1
-        for i, tok in enumerate(chunk):
-            b.token[i] = tok
-            b.pos[i] = pos0 + i
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = 0
-            b.logits[i] = flags[i]
-        b.n_tokens = len(chunk)
-        if self._capture is not None:
-            self._capture.begin()
-        t0 = time.perf_counter()
-        rc = lc.llama_decode(self._ctx, b)
-        lc.llama_synchronize(self._ctx)  # Metal computes asynchronously; time the real work
-        self.usage.calls += 1
-        self.usage.tokens += len(chunk)
-        self.usage.seconds += time.perf_counter() - t0
-        if rc != 0:
-            # the cache may hold part of the batch: drop it so `tokens` stays the truth
-            lc.llama_memory_seq_rm(self._mem, 0, pos0, -1)
-            if rc == 1:
-                raise ContextOverflowError(f"no KV cache slot for {len(chunk)} tokens at position {pos0}")
-            raise RuntimeError(f"llama_decode failed with code {rc}")
-        self.tokens.extend(chunk)
-        if not rows:
-            return np.empty((0, self.n_vocab), dtype=np.float32)
-        ptr = ctypes.cast(lc.llama_get_logits(self._ctx), self._logits_ptr_type)
-        view = np.ctypeslib.as_array(ptr, shape=(len(rows), self.n_vocab))
-        view.flags.writeable = False
-        return view
+    def plan_prefill(self, tokens: Sequence[int]) -> Sequence[int]:
+        """Roll back to the common prefix with `tokens`; what is left to decode."""
+        keep = common_prefix(self.tokens, tokens)
+        self.truncate(keep)
+        return tokens[keep:]
 
     def prefill(self, tokens: Sequence[int]) -> None:
         """Make the KV cache hold exactly `tokens`, computing no logits."""
-        keep = common_prefix(self.tokens, tokens)
-        self.truncate(keep)
-        if keep < len(tokens):
-            self.decode(tokens[keep:], "none")
+        missing = self.plan_prefill(tokens)
+        if missing:
+            self.decode(missing, "none")
 
-    def eval(self, tokens: Sequence[int], n_rows: int = 1) -> np.ndarray:
-        """Make the KV cache hold exactly `tokens`; logits of its last `n_rows` positions.
-
-        Reuses the longest common prefix already in the cache, rolls back the rest and decodes
-        what is missing in one batch. Row j predicts the token after tokens[len - n_rows + j].
-        """
+    def plan_eval(self, tokens: Sequence[int], n_rows: int) -> tuple[Sequence[int], list[int]]:
+        """Roll back for an eval of `tokens`: (tokens to decode, their rows to return)."""
         n = len(tokens)
         if not 1 <= n_rows <= n:
             raise ValueError(f"n_rows must be in 1..{n}")
@@ -390,29 +493,45 @@ class LlamaModel:
         self.truncate(keep)
         missing = tokens[keep:]
         first_row = len(missing) - n_rows
-        return self.decode(missing, list(range(first_row, len(missing))))
+        return missing, list(range(first_row, len(missing)))
+
+    def eval(self, tokens: Sequence[int], n_rows: int = 1) -> np.ndarray:
+        """Make the KV cache hold exactly `tokens`; logits of its last `n_rows` positions.
+
+        Reuses the longest common prefix already in the cache, rolls back the rest and decodes
+        what is missing in one batch. Row j predicts the token after tokens[len - n_rows + j].
+        """
+        return self.decode(*self.plan_eval(tokens, n_rows))
 
     # ---- state (KV import for prefix slims) -----------------------------------------------------
-    def seq_state(self) -> bytes:
+    def state(self) -> bytes:
         lc = _llama_cpp()
-        size = lc.llama_state_seq_get_size(self._ctx, 0)
-        buf = (ctypes.c_uint8 * size)()
-        n = lc.llama_state_seq_get_data(self._ctx, buf, size, 0)
+        with self.model.lock:
+            ctx = self.model._ctx
+            size = lc.llama_state_seq_get_size(ctx, self.id)
+            buf = (ctypes.c_uint8 * size)()
+            n = lc.llama_state_seq_get_data(ctx, buf, size, self.id)
         return ctypes.string_at(buf, n)
 
-    def set_seq_state(self, data: bytes, tokens: Sequence[int]) -> None:
+    def set_state(self, data: bytes, tokens: Sequence[int]) -> None:
         lc = _llama_cpp()
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         self.reset()
-        if lc.llama_state_seq_set_data(self._ctx, buf, len(data), 0) == 0:
+        with self.model.lock:
+            ok = lc.llama_state_seq_set_data(self.model._ctx, buf, len(data), self.id) != 0
+        if not ok:
             raise RuntimeError("llama.cpp refused the sequence state")
         self.tokens = list(tokens)
 
-    def captured(self, name: str) -> np.ndarray:
-        """Rows of an intermediate tensor (e.g. `l_out-3`) from the last decode; needs `capture`."""
-        if self._capture is None:
-            raise RuntimeError("load with LoadParams(capture=(...)) to read intermediate tensors")
-        return self._capture.result(name, self.n_embd)
+
+def _rows(rows: Sequence[int] | str, n: int) -> list[int]:
+    if rows == "last":
+        return [n - 1]
+    if rows == "all":
+        return list(range(n))
+    if rows == "none":
+        return []
+    return list(rows)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

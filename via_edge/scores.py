@@ -37,6 +37,17 @@ class Scorer(Protocol):
     def is_eog(self, token: int) -> bool: ...
 
 
+class Decodes(Protocol):
+    """What decodes a sequence: LlamaModel (sequence 0), llama.Seq or batching.BatchedSeq."""
+
+    n_ctx: int
+    tokens: list[int]
+
+    def eval(self, tokens: Sequence[int], n_rows: int = 1) -> np.ndarray: ...
+    def decode(self, tokens: Sequence[int], rows: Sequence[int] | str = "last") -> np.ndarray: ...
+    def prefill(self, tokens: Sequence[int]) -> None: ...
+
+
 class LogitRows:
     """Scores over float32 logits rows (a view valid until the model's next decode)."""
 
@@ -62,22 +73,27 @@ class LogitRows:
 
 
 class ScoredModel:
-    """A `LlamaModel` behind the `Scorer` interface, with end-of-generation looked up once per token."""
+    """A `LlamaModel` behind the `Scorer` interface, with end-of-generation looked up once per token.
 
-    def __init__(self, model: LlamaModel) -> None:
+    Decodes go through `seq`: the model itself (its sequence 0), one of its `Seq`s, or a
+    `batching.BatchedSeq` when concurrent generations share the model.
+    """
+
+    def __init__(self, model: LlamaModel, seq: "Decodes | None" = None) -> None:
         self.model = model
-        self.n_ctx = model.n_ctx
+        self.seq = seq if seq is not None else model
+        self.n_ctx = self.seq.n_ctx
         self._eog: dict[int, bool] = {}
 
     @property
     def tokens(self) -> list[int]:
-        return self.model.tokens
+        return self.seq.tokens
 
     def eval(self, tokens: Sequence[int], n_rows: int = 1) -> LogitRows:
-        return LogitRows(self.model.eval(tokens, n_rows))
+        return LogitRows(self.seq.eval(tokens, n_rows))
 
     def decode(self, tokens: Sequence[int]) -> LogitRows:
-        return LogitRows(self.model.decode(tokens))
+        return LogitRows(self.seq.decode(tokens))
 
     def is_eog(self, token: int) -> bool:
         hit = self._eog.get(token)

@@ -1,8 +1,11 @@
 """`via-edge serve`: an OpenAI-compatible HTTP server around one Engine (FastAPI + uvicorn).
 
-One engine, so requests are served one at a time in arrival order (an asyncio.Lock is FIFO, and
-a thread lock keeps a cancelled request's worker exclusive until it has stopped); each generation
-runs in a worker thread and stops at its next token when its client disconnects.
+The engine has `n_parallel` slots; up to that many requests generate at once, batched into shared
+decodes (batching.py), each in a worker thread that stops at its next token when its client
+disconnects and then frees its slot. Requests beyond the slots wait in a FIFO queue of at most
+`max_queue`; one more gets an OpenAI-shaped 503 (with Retry-After) at once, never a hang. A request
+that hangs up while queued leaves the queue. Each response's `timings.queued_ms` says how long it
+waited.
 
 Every request is checked completely before it waits for its turn: the body's size while it is
 read in (chunked or not), its fields against typed models, sampling values, the prompt's token
@@ -18,6 +21,7 @@ import json
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator, Literal, Union
 
 from fastapi import FastAPI, Request
@@ -107,18 +111,56 @@ def _invalid(exc: ValidationError) -> _HTTPError:
                       code="invalid_value")
 
 
-def create_app(engine: Engine, *, max_body: int = MAX_BODY, max_tokens_limit: int = 4096,
+class _Gate:
+    """The slots and the bounded queue in front of them (event-loop side; FIFO like asyncio's
+    Semaphore)."""
+
+    def __init__(self, slots: int, max_queue: int) -> None:
+        self.slots, self.max_queue = asyncio.Semaphore(slots), max_queue
+        self.queued = 0
+
+    def admit(self) -> None:
+        """Count a request in, or refuse it with 503 when every slot is busy and the queue is full."""
+        if self.slots.locked() and self.queued >= self.max_queue:
+            raise _HTTPError(503, f"the server is busy: every slot is generating and {self.queued} requests "
+                             f"are queued (--max-queue {self.max_queue}); retry shortly", kind="server_error",
+                             code="server_busy")
+        self.queued += 1
+
+    async def enter(self, gone: Callable[[], "asyncio.Future[bool]"] | None = None) -> bool:
+        """Wait for a slot (False if `gone` says the client left first); leaves the queue either way."""
+        try:
+            if gone is None:
+                await self.slots.acquire()
+                return True
+            take = asyncio.ensure_future(self.slots.acquire())
+            while not take.done():
+                await asyncio.wait({take}, timeout=0.1)
+                if not take.done() and await gone():
+                    take.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await take
+                    if take.cancelled():
+                        return False
+            return True
+        finally:
+            self.queued -= 1
+
+
+def create_app(engine: Engine, *, max_body: int = MAX_BODY, max_tokens_limit: int = 4096, max_queue: int = 16,
                on_ready: Callable[[], None] | None = None) -> FastAPI:
+    workers = ThreadPoolExecutor(max_workers=engine.n_parallel, thread_name_prefix="via-edge-slot")
+
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
+        app.state.gate = _Gate(engine.n_parallel, max_queue)  # made on the server's own event loop
         if on_ready is not None:  # the socket is listening by now: say so
             on_ready()
         yield
+        workers.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="via-edge", version="0.1", lifespan=lifespan)
-    turn = asyncio.Lock()
     state = {"served": 0, "cancelled": 0, "started": time.time()}
-    engine_lock = threading.Lock()  # held by the worker thread for as long as it uses the engine
 
     def finished(finish_reason: str | None) -> None:
         state["served"] += 1
@@ -164,8 +206,9 @@ def create_app(engine: Engine, *, max_body: int = MAX_BODY, max_tokens_limit: in
 
     def fits(tokens: list[int]) -> list[int]:
         if len(tokens) >= engine.target.n_ctx:
+            per = f" per slot ({engine.n_parallel} slots)" if engine.n_parallel > 1 else ""
             raise _HTTPError(400, f"the prompt has {len(tokens)} tokens but the context window holds "
-                             f"{engine.target.n_ctx}", param="prompt", code="context_length_exceeded")
+                             f"{engine.target.n_ctx}{per}", param="prompt", code="context_length_exceeded")
         return tokens
 
     def parse(model: type[_Body], data: dict) -> _Body:
@@ -174,32 +217,47 @@ def create_app(engine: Engine, *, max_body: int = MAX_BODY, max_tokens_limit: in
         except ValidationError as exc:
             raise _invalid(exc) from exc
 
-    async def serve(request: Request, make: Callable[[Callable[[], bool]], Iterator[dict] | dict], stream: bool):
-        """Run one generation in a worker thread, in turn; stop it if the client goes away."""
+    Make = Callable[[Callable[[], bool], float], "Iterator[dict] | dict"]
+
+    async def serve(request: Request, make: Make, stream: bool):
+        """Queue for a slot, run one generation in a worker thread, stop it if the client goes away."""
+        arrived = time.perf_counter()
+        gate: _Gate = request.app.state.gate
+        gate.admit()
         cancel = threading.Event()
         loop = asyncio.get_running_loop()
 
-        def locked(fn: Callable[[], object]) -> object:
-            with engine_lock:
-                return fn()
+        def run(fn: Callable[[], None]) -> None:
+            """`fn` on a worker; the slot is free again once it has returned, however it ended."""
+            future = loop.run_in_executor(workers, fn)
+            future.add_done_callback(lambda _f: gate.slots.release())
+            return future
 
         if not stream:
-            async with turn:
-                task = loop.run_in_executor(None, locked, lambda: make(cancel.is_set))
-                while not task.done():
-                    if await request.is_disconnected():
-                        cancel.set()
-                    await asyncio.sleep(0.05)
-                out = task.result()
-                finished(out["choices"][0]["finish_reason"])
-                return JSONResponse(out)
+            if not await gate.enter(request.is_disconnected):
+                finished("cancelled")
+                return JSONResponse({})  # nobody is listening
+            box: dict = {}
+
+            def work() -> None:
+                box["out"] = make(cancel.is_set, arrived)
+
+            task = run(work)
+            while not task.done():
+                if await request.is_disconnected():
+                    cancel.set()
+                await asyncio.wait({task}, timeout=0.05)
+            task.result()
+            out = box["out"]
+            finished(out["choices"][0]["finish_reason"])
+            return JSONResponse(out)
 
         queue: asyncio.Queue = asyncio.Queue()
 
         def produce() -> None:
             last = None
             try:
-                for chunk in make(cancel.is_set):
+                for chunk in make(cancel.is_set, arrived):
                     last = chunk
                     loop.call_soon_threadsafe(queue.put_nowait, ("data", chunk))
             except ViaEdgeError as exc:
@@ -209,26 +267,30 @@ def create_app(engine: Engine, *, max_body: int = MAX_BODY, max_tokens_limit: in
                 loop.call_soon_threadsafe(queue.put_nowait, ("end", None))
 
         async def events():
-            async with turn:
-                loop.run_in_executor(None, locked, produce)
-                try:
-                    while True:
-                        kind, item = await queue.get()
-                        if kind == "end":
-                            break
-                        if kind == "error":
-                            item = {"error": {"message": item, "type": "invalid_request_error",
-                                              "param": None, "code": None}}
-                        yield f"data: {json.dumps(item)}\n\n"
-                    yield "data: [DONE]\n\n"
-                finally:
-                    cancel.set()  # the client is gone (or the stream ended): the worker stops at its next token
+            if not await gate.enter():  # cancelled here (the client left) it leaves the queue too
+                return
+            run(produce)
+            try:
+                while True:
+                    kind, item = await queue.get()
+                    if kind == "end":
+                        break
+                    if kind == "error":
+                        item = {"error": {"message": item, "type": "invalid_request_error",
+                                          "param": None, "code": None}}
+                    yield f"data: {json.dumps(item)}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                cancel.set()  # the client is gone (or the stream ended): the worker stops at its next token
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
     @app.exception_handler(_HTTPError)
     async def _http_error(_request, exc: _HTTPError):
-        return exc.response()
+        response = exc.response()
+        if exc.status == 503:
+            response.headers["Retry-After"] = "1"
+        return response
 
     @app.exception_handler(ViaEdgeError)
     async def _user_error(_request, exc: ViaEdgeError):
@@ -236,16 +298,23 @@ def create_app(engine: Engine, *, max_body: int = MAX_BODY, max_tokens_limit: in
 
     fmt = engine.weight_format  # read once: the GGUF header does not change while serving
 
+    def slots() -> dict:
+        """The context split the way llama-server splits it: n_ctx_total over `parallel` slots."""
+        return {"parallel": engine.n_parallel, "n_ctx": engine.target.n_ctx, "n_ctx_slot": engine.target.n_ctx,
+                "n_ctx_total": engine.target.n_ctx_total}
+
     @app.get("/health")
-    async def health():
-        return {"status": "ok", "model": engine.model_name, "mode": engine.mode, "n_ctx": engine.target.n_ctx,
-                "weights": fmt,
+    async def health(request: Request):
+        gate: _Gate = request.app.state.gate
+        return {"status": "ok", "model": engine.model_name, "mode": engine.mode, **slots(), "weights": fmt,
+                "slots_busy": engine.slots_busy, "queued": gate.queued, "max_queue": gate.max_queue,
                 "served": state["served"], "cancelled": state["cancelled"]}
 
     @app.get("/v1/models")
     async def list_models():
         return {"object": "list", "data": [{"id": engine.model_name, "object": "model",
-                                            "created": int(state["started"]), "owned_by": "via-edge"}]}
+                                            "created": int(state["started"]), "owned_by": "via-edge",
+                                            "meta": {**slots(), "mode": engine.mode, "weights": fmt}}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -266,16 +335,18 @@ def create_app(engine: Engine, *, max_body: int = MAX_BODY, max_tokens_limit: in
                                  code="invalid_value")
             tokens = list(prompt)
         fits(tokens)
-        return await serve(request, lambda stop: respond(engine, tokens, "completion", body.stream,
-                                                         should_stop=stop, **kw), body.stream)
+        return await serve(request, lambda stop, arrived: respond(engine, tokens, "completion", body.stream,
+                                                                  should_stop=stop, arrived=arrived, **kw),
+                           body.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = parse(ChatBody, await read_json(request))
         kw = params(body)
         tokens = fits(engine.chat_prompt([{"role": m.role, "content": m.text()} for m in body.messages]))
-        return await serve(request, lambda stop: respond(engine, tokens, "chat", body.stream,
-                                                         should_stop=stop, **kw), body.stream)
+        return await serve(request, lambda stop, arrived: respond(engine, tokens, "chat", body.stream,
+                                                                  should_stop=stop, arrived=arrived, **kw),
+                           body.stream)
 
     return app
 

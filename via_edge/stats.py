@@ -38,6 +38,7 @@ class Stats:
     tier_b_replaced: int = 0      # ... of which the slim replaced the draft token
     tier_c: int = 0               # decided by the target (accepted drafts + its own tokens)
     target_tokens: int = 0        # tokens emitted by the target itself (corrections and bonuses)
+    queue_seconds: float = 0.0    # waiting for a free slot (server queue included)
     prefill_seconds: float = 0.0
     generate_seconds: float = 0.0
     draft: ModelUsage = field(default_factory=ModelUsage)
