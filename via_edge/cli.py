@@ -265,6 +265,49 @@ def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     return text
 
 
+def _counts(name: str, text: str, lo: int, hi: int) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ViaEdgeError(f"--{name} takes comma-separated whole numbers, got {text!r}") from None
+    if not values or any(not lo <= v <= hi for v in values):
+        raise ViaEdgeError(f"--{name} values must be in {lo}..{hi}, got {text!r}")
+    return values
+
+
+def _bench_serve(pair: str | None, suite: str, categories: str | None, max_tokens: int, out: Path,
+                 threads: int | None, clients: str, parallel: str, requests: int, repeats: int,
+                 mode: str | None) -> None:
+    from .bench import load as L
+    from .bench.suite import load_prompts
+
+    counts = _counts("clients", clients, 1, 256)
+    slots = _counts("parallel", parallel, 1, MAX_SEQ)
+    _check_range("requests", requests, 1, 100000)
+    _check_range("repeats", repeats, 1, 1000)
+    if mode is not None and mode not in MODE_NAMES:
+        raise ViaEdgeError(f"--modes for --serve takes one mode ({', '.join(MODE_NAMES)}), got {mode!r}")
+    cats = [c.strip() for c in categories.split(",")] if categories else None
+    pool = load_prompts(suite, cats, max(1, -(-requests // len(cats or [0] * 13))))
+    by_cat: dict[str, list] = {}
+    for p in pool:
+        by_cat.setdefault(p.category, []).append(p)
+    prompts = [q for group in zip(*by_cat.values()) for q in group][:requests]  # categories in turn
+    if len(prompts) < requests:
+        prompts = (pool * requests)[:requests]
+    args = (["--pair", pair] if pair else []) + (["--threads", str(threads)] if threads else []) \
+        + (["--mode", mode] if mode else [])
+    cfg = L.LoadConfig(prompts, counts, slots, max_tokens=max_tokens, repeats=repeats, server_args=args,
+                       command="via-edge " + " ".join(sys.argv[1:]))
+    _doing("the load benchmark", f"nothing was written to {out}")
+    results = L.run_load(cfg, log=_err)
+    for path in L.write_load(results, out):
+        typer.echo(str(path))
+    for row in results["summary"]:
+        typer.echo(f"  {row['server']:14s} {row['clients']:3d} clients {row['tok_s']:7.1f} tok/s  "
+                   f"{row['ratio']:.2f}x one-at-a-time  p50 {row['latency_p50']:.2f} s  TTFT p50 {row['ttft_p50']:.2f} s")
+
+
 @app.command()
 @shared(SPEC_OPTS)
 def bench(
@@ -282,19 +325,31 @@ def bench(
     tuned: bool = typer.Option(False, "--tuned", help="Also run every mode with the pair's tuned knobs and slim "
                                "(via-edge tune), as <mode>:tuned beside the defaults, interleaved."),
     compare: Optional[Tuple[Path, Path]] = typer.Option(None, help="Diff two results files instead of running."),
-    ctx: int = typer.Option(4096, help="Context window (tokens)."),
+    ctx: int = typer.Option(4096, help="Context window (tokens; --serve: each server's own default)."),
     threads: Optional[int] = typer.Option(None, help="CPU threads (default: all cores)."),
+    serve: bool = typer.Option(False, "--serve", help="Load benchmark instead: start `via-edge serve` with "
+                               "--parallel 1 and each --parallel count, drive them with the openai client."),
+    clients: str = typer.Option("1,2,4,8", help="--serve: concurrent client counts."),
+    parallel_list: str = typer.Option(str(DEFAULT_PARALLEL), "--parallel", help="--serve: slot counts to compare "
+                                 "with one-at-a-time (--parallel 1), comma-separated."),
+    requests: int = typer.Option(16, help="--serve: requests per run (Spec-Bench prompts, categories in turn)."),
+    repeats: int = typer.Option(3, help="--serve: repeats of every (server, clients) run."),
     opts: Options = None,
 ) -> None:
     """Measure speed and fidelity of every mode side by side, interleaved on the same prompts.
 
-    The speculation knobs apply to the untuned runs (default: SpecParams' defaults)."""
+    The speculation knobs apply to the untuned runs (default: SpecParams' defaults). With --serve,
+    the load benchmark: aggregate throughput and latency of concurrent clients (docs/benchmarks.md)."""
     from . import bench as B
 
     _check_range("ctx", ctx, 16, 1 << 20)
     _check_range("threads", threads, 1, 1024)
     if compare:
         typer.echo(B.compare(B.load_results(compare[0]), B.load_results(compare[1])))
+        return
+    if serve:
+        _bench_serve(pair, suite, categories, max_tokens, out, threads, clients, parallel_list, requests, repeats,
+                     modes if modes != "ar,sd,via,hier,lookup" else None)
         return
     cfg = B.BenchConfig(pair=pair, modes=[m.strip() for m in modes.split(",") if m.strip()], peers=peers,
                         suite=suite, categories=[c.strip() for c in categories.split(",")] if categories else None,

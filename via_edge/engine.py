@@ -342,6 +342,8 @@ class Engine:
 
     # ---- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
         for m in (self.models.slim, self.models.draft, self.models.target):
             if m is not None:
                 m.close()

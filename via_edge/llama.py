@@ -349,12 +349,17 @@ class LlamaModel:
             if seq.n_past + len(toks) > seq.n_ctx:
                 raise ContextOverflowError(f"context window full: {seq.n_past} + {len(toks)} tokens exceed "
                                            f"the sequence's n_ctx={seq.n_ctx}")
+        # in ascending sequence order: llama.cpp splits a batch of unordered sequences into one
+        # ubatch per sequence (measured: 4 sequences x 1 token 172 ms in order, 277-350 ms shuffled)
+        order = sorted(range(len(parts)), key=lambda i: parts[i][0].id)
+        out: list[np.ndarray] = [None] * len(parts)  # type: ignore[list-item]
         with self.lock:
-            logits = self._run(parts)
-            out, at = [], 0
-            for _, _, rows in parts:
-                out.append(np.array(logits[at:at + len(rows)]))
-                at += len(rows)
+            logits = self._run([parts[i] for i in order])
+            at = 0
+            for i in order:
+                n = len(parts[i][2])
+                out[i] = np.array(logits[at:at + n])
+                at += n
         return out
 
     def _run(self, parts: Sequence[tuple["Seq", Sequence[int], Sequence[int]]]) -> np.ndarray:
