@@ -112,3 +112,25 @@ def test_bench_quick_end_to_end(tmp_path):
     assert "| via (lossy) | F32 |" in (out / "report.md").read_text()
     diff = cli("bench", "--compare", out, out / "results.json")
     assert diff.returncode == 0 and "| sd |" in diff.stdout and "+0.0%" in diff.stdout
+
+
+def test_load_benchmark_compares_parallel_with_one_at_a_time(tiny_target, tmp_path):
+    """`bench --serve` machinery on the tiny F32 model (exact kernels): every (server, clients) row is
+    there, every answer equals the one-at-a-time server's, the files are written."""
+    from via_edge.bench import load as L
+    from via_edge.bench.suite import load_prompts
+
+    prompts = load_prompts("spec-bench", ["coding", "math_reasoning", "translation"], 1)
+    cfg = L.LoadConfig(prompts, clients=[1, 3], parallel=[2], max_tokens=6, repeats=1,
+                       server_args=["--target", str(tiny_target), "--mode", "ar", "--exact", "--no-flash-attn",
+                                    "--kv-type", "f32"], command="test")
+    results = L.run_load(cfg, log=lambda *_: None)
+    rows = {(r["server"], r["clients"]): r for r in results["summary"]}
+    assert set(rows) == {(s, c) for s in ("one-at-a-time", "parallel 2") for c in (1, 3)}
+    for r in rows.values():
+        assert r["same_text"] == r["requests"] == 3 and r["tok_s"] > 0
+        assert r["ttft_p50"] <= r["latency_p50"] and r["latency_p50"] <= r["latency_p95"]
+    assert len(results["runs"]) == 4 and all(len(r["requests"]) == 3 for r in results["runs"])
+    written = {p.name for p in L.write_load(results, tmp_path)}
+    assert {"load.json", "load.md"} <= written
+    assert "| parallel 2 | 3 |" in (tmp_path / "load.md").read_text()

@@ -1,6 +1,7 @@
 """`via-edge serve` on loopback, driven by the official openai client."""
 
 import concurrent.futures
+import contextlib
 import socket
 import subprocess
 import sys
@@ -44,8 +45,8 @@ def start(args) -> tuple[subprocess.Popen, str]:
 @pytest.fixture(scope="module")
 def server(tiny_target):
     proc, base = start(["--target", tiny_target, "--draft-layers", "0-1", "--slim-layers", "0-2", "--mode", "sd",
-                        "--exact", "--no-flash-attn", "--kv-type", "f32", "--ctx", "512", "--max-tokens-limit", "256",
-                        "--max-body", "20000"])
+                        "--exact", "--no-flash-attn", "--kv-type", "f32", "--ctx", "2048", "--parallel", "4",
+                        "--max-tokens-limit", "256", "--max-body", "20000"])
     yield base
     proc.terminate()
     proc.wait(10)
@@ -64,6 +65,9 @@ def test_models_and_health(client, server):
     assert model_id(client) == "target"
     health = httpx.get(server + "/health").json()
     assert health["status"] == "ok" and health["weights"] == "F32"  # the tiny target's own type
+    # --ctx is the total, split over the slots as llama-server splits it
+    assert (health["parallel"], health["n_ctx_total"], health["n_ctx_slot"]) == (4, 2048, 512)
+    assert client.models.list().data[0].model_extra["meta"]["n_ctx_slot"] == 512
 
 
 def test_chat_streaming_equals_non_streaming(client, tiny_target):
@@ -94,15 +98,54 @@ def test_completions_and_modes(client):
 
 
 def test_concurrent_requests_match_alone(client):
+    """Eight different prompts at once on four slots (batched decodes, four queued): each answer is
+    that prompt's answer sent alone, and the queued ones say they waited."""
     def ask(p):
         r = client.chat.completions.create(model=model_id(client), messages=[{"role": "user", "content": p}],
                                            max_tokens=16, temperature=0)
-        return r.choices[0].message.content
+        return r.choices[0].message.content, r.model_extra["timings"]["queued_ms"]
 
-    alone = [ask(p) for p in PROMPTS]
+    alone = [ask(p)[0] for p in PROMPTS]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         together = list(pool.map(ask, PROMPTS))
-    assert together == alone
+    assert [t for t, _ in together] == alone
+    assert max(q for _, q in together) > 0
+
+
+def test_cancel_frees_the_slot_and_a_full_queue_gets_503(smollm2):
+    """Two slots, a queue of one: two endless streams hold the slots, a third request queues, a
+    fourth gets an OpenAI-shaped 503 at once. Hanging up one stream frees its slot for the queued
+    request, while the other stream keeps going; then the server serves as before."""
+    proc, base = start(["--target", smollm2, "--mode", "ar", "--parallel", "2", "--max-queue", "1"])
+    endless = {"prompt": "Count from one to one thousand:", "max_tokens": 3000, "stream": True, "temperature": 0}
+    try:
+        with httpx.Client(timeout=120) as http, contextlib.ExitStack() as stack:
+            a = stack.enter_context(http.stream("POST", base + "/v1/completions", json=endless))
+            b = stack.enter_context(http.stream("POST", base + "/v1/completions", json=endless))
+            a_lines, b_lines = a.iter_lines(), b.iter_lines()
+            next(a_lines), next(b_lines)  # both generating: the two slots are taken
+            queued = concurrent.futures.ThreadPoolExecutor(1).submit(
+                httpx.post, base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=120)
+            deadline = time.time() + 30
+            while httpx.get(base + "/health").json()["queued"] < 1:
+                assert time.time() < deadline, "the third request never queued"
+                time.sleep(0.05)
+            busy = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
+            assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+            assert busy.json()["error"]["code"] == "server_busy" and busy.json()["error"]["type"] == "server_error"
+            assert not queued.done()
+            a.close()  # hang up: the slot goes to the queued request
+            done = queued.result(timeout=60)
+            assert done.status_code == 200 and done.json()["timings"]["queued_ms"] > 0
+            more = [next(b_lines) for _ in range(5)]  # the other stream was not disturbed
+            assert all(line.startswith("data: {") or line == "" for line in more)
+        health = httpx.get(base + "/health").json()
+        assert health["cancelled"] >= 1
+        ok = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
+        assert ok.status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def test_bad_requests_are_clean_4xx(client, server):
@@ -194,8 +237,10 @@ def test_chunked_body_is_cut_off_at_the_limit(server):
 
 def test_overlong_prompt_is_400_streaming_or_not(server):
     for stream in (False, True):
-        r = httpx.post(server + "/v1/completions", json={"prompt": "word " * 2000, "stream": stream}, timeout=30)
+        # 700 tokens fit the 2048-token context but not one slot's 512
+        r = httpx.post(server + "/v1/completions", json={"prompt": "word " * 700, "stream": stream}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert "512 per slot" in r.json()["error"]["message"]
 
 
 def test_busy_port_fails_before_loading(tiny_target):
