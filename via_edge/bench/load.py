@@ -2,9 +2,9 @@
 
 It starts one server per slot count on 127.0.0.1 (always one with `--parallel 1`, today's
 one-at-a-time server, as the baseline) and drives each with the official `openai` client from N
-threads that share a fixed list of streamed chat requests. Per repeat, every client count runs on
-every server back to back, in rotating order, so the ratios compare the same requests in the
-same minutes of a noisy machine. Reported per server and client count: aggregate tok/s (all
+threads that share a fixed list of streamed chat requests. Per repeat, the baseline serves the
+list once (one client: more would only queue) and every client count runs on every other server,
+in rotating order, so the ratios compare the same requests in the same minutes of a noisy machine. Reported per server and client count: aggregate tok/s (all
 completion tokens over the wall time), its ratio to the one-at-a-time server, p50/p95 latency and
 time to first token, and how many answers equal the one-at-a-time server's.
 """
@@ -154,6 +154,8 @@ def run_load(cfg: LoadConfig, log=print) -> dict:
             for clients in cfg.clients:
                 order = servers[rep % len(servers):] + servers[:rep % len(servers)]
                 for s in order:
+                    if s.parallel == 1 and clients != cfg.clients[0]:
+                        continue
                     wall, reqs = drive(s, texts, clients, cfg.max_tokens)
                     tok = sum(r.tokens for r in reqs)
                     log(f"repeat {rep + 1}/{cfg.repeats}  {clients} clients  {s.name:14s} "
@@ -176,17 +178,18 @@ def run_load(cfg: LoadConfig, log=print) -> dict:
 def summarize_load(results: dict) -> list[dict]:
     """Per (server, clients): medians over repeats, and ratios to one-at-a-time within each repeat."""
     runs = results["runs"]
-    base = {(r["repeat"], r["clients"]): r for r in runs if r["parallel"] == 1}
+    base = {r["repeat"]: r for r in runs if r["parallel"] == 1}
     rows = []
     for name in dict.fromkeys(r["server"] for r in runs):
         for clients in results["meta"]["clients"]:
             mine = [r for r in runs if r["server"] == name and r["clients"] == clients]
+            if not mine:
+                continue
             agg = [sum(q["tokens"] for q in r["requests"]) / r["wall"] for r in mine]
-            ratio = [a / (sum(q["tokens"] for q in b["requests"]) / b["wall"])
-                     for a, r in zip(agg, mine) for b in [base[(r["repeat"], clients)]]]
+            ratio = [a / (sum(q["tokens"] for q in base[r["repeat"]]["requests"]) / base[r["repeat"]]["wall"])
+                     for a, r in zip(agg, mine)]
             reqs = [q for r in mine for q in r["requests"]]
-            same = [q["text"] == bq["text"] for r in mine for q, bq in
-                    zip(r["requests"], base[(r["repeat"], clients)]["requests"])]
+            same = [q["text"] == bq["text"] for r in mine for q, bq in zip(r["requests"], base[r["repeat"]]["requests"])]
             rows.append({"server": name, "parallel": mine[0]["parallel"], "clients": clients,
                          "tok_s": statistics.median(agg), "tok_s_min": min(agg), "tok_s_max": max(agg),
                          "ratio": statistics.median(ratio), "ratio_min": min(ratio), "ratio_max": max(ratio),
@@ -214,8 +217,8 @@ def render_load(results: dict) -> str:
                      f"| {r['same_text']}/{r['requests']} |")
     lines += ["", "Aggregate tok/s: every completion token of the request list over the wall time from the first "
               "request to the last answer. Ratios are taken within one repeat (the same requests, minutes apart) and "
-              "their median and range reported. One-at-a-time is `via-edge serve --parallel 1`; more clients than "
-              "slots queue. Answers differ from one-at-a-time only where batched kernels round differently "
+              "their median and range reported. One-at-a-time is `via-edge serve --parallel 1` serving the list to one "
+              "client (more clients would only queue behind it); more clients than slots queue. Answers differ from one-at-a-time only where batched kernels round differently "
               "(see docs/benchmarks.md, kernels).", ""]
     return "\n".join(lines)
 
