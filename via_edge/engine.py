@@ -319,7 +319,9 @@ class Engine:
         with self._slot_cv:
             while not self._free:
                 self._slot_cv.wait()
-            slot = max(self._free, key=lambda s: common_prefix(self.target.seqs[s.index].tokens, prompt))
+            # ties to the lowest id: llama.cpp decodes a contiguous run of sequences fastest
+            # (measured 2 x 1 token: sequences 0,1 112 ms, 0,2 141 ms; docs/benchmarks.md section 17)
+            slot = max(self._free, key=lambda s: (common_prefix(self.target.seqs[s.index].tokens, prompt), -s.index))
             self._free.remove(slot)
         if self._scheduler is not None:
             self._scheduler.enter()
