@@ -70,6 +70,19 @@ def test_models_and_health(client, server):
     assert client.models.list().data[0].model_extra["meta"]["n_ctx_slot"] == 512
 
 
+def test_erasing_the_slots_forgets_cached_prompts(client, server):
+    """The second identical request finds its prompt in a slot's cache (llama-server's cache_n);
+    after POST /slots?action=erase it is prefilled again."""
+    kw = dict(model=model_id(client), prompt="the same prompt again", max_tokens=2, temperature=0)
+    first = client.completions.create(**kw).model_extra["timings"]
+    again = client.completions.create(**kw).model_extra["timings"]
+    assert httpx.post(server + "/slots", params={"action": "erase"}).json() == {"erased": 4}
+    cold = client.completions.create(**kw).model_extra["timings"]
+    assert again["cache_n"] == again["prompt_n"] - 1 > 0 and cold["cache_n"] == 0
+    assert first["prompt_n"] == again["prompt_n"] == cold["prompt_n"]
+    assert httpx.post(server + "/slots", params={"action": "drop"}).status_code == 400
+
+
 def test_chat_streaming_equals_non_streaming(client, tiny_target):
     kw = dict(model=model_id(client), messages=[{"role": "user", "content": "hello there"}], max_tokens=24,
               temperature=0)

@@ -21,7 +21,7 @@ def timings(result: Result, digits: int = 3) -> dict:
     s = result.stats
     return {
         "queued_ms": round(s.queue_seconds * 1e3, digits),
-        "prompt_n": s.prompt_tokens, "prompt_ms": round(s.prefill_seconds * 1e3, digits),
+        "cache_n": s.cache_tokens, "prompt_n": s.prompt_tokens, "prompt_ms": round(s.prefill_seconds * 1e3, digits),
         "prompt_per_second": round(s.prompt_tokens_per_second, digits),
         "predicted_n": s.generated_tokens, "predicted_ms": round(s.generate_seconds * 1e3, digits),
         "predicted_per_second": round(s.tokens_per_second, digits),

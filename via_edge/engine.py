@@ -464,6 +464,7 @@ class Engine:
         finish = "cancelled"  # unless the loop below says otherwise: the consumer stopped reading
         t0 = t1 = time.perf_counter()
         try:
+            stats.cache_tokens = common_prefix(target.tokens, prompt[:-1])
             self._prefill(slot, prompt[:-1], used)
             t1 = time.perf_counter()
             stats.prefill_seconds = t1 - t0

@@ -310,6 +310,17 @@ def create_app(engine: Engine, *, max_body: int = MAX_BODY, max_tokens_limit: in
                 "slots_busy": engine.slots_busy, "queued": gate.queued, "max_queue": gate.max_queue,
                 "served": state["served"], "cancelled": state["cancelled"]}
 
+    @app.post("/slots")
+    async def slots_action(action: str):
+        """llama-server's slot erase, for every slot at once: forget the cached prompts (a benchmark
+        that must start cold, or a user who wants the memory back). Refused while any generates."""
+        if action != "erase":
+            raise _HTTPError(400, f"unknown slot action {action!r}; the one action is 'erase'", param="action")
+        if engine.slots_busy:
+            raise _HTTPError(409, f"{engine.slots_busy} slots are generating; erase when idle", code="slots_busy")
+        engine.reset()
+        return {"erased": engine.n_parallel}
+
     @app.get("/v1/models")
     async def list_models():
         return {"object": "list", "data": [{"id": engine.model_name, "object": "model",

@@ -39,6 +39,7 @@ class Stats:
     tier_c: int = 0               # decided by the target (accepted drafts + its own tokens)
     target_tokens: int = 0        # tokens emitted by the target itself (corrections and bonuses)
     queue_seconds: float = 0.0    # waiting for a free slot (server queue included)
+    cache_tokens: int = 0         # prompt tokens found in the slot's KV cache (not prefilled again)
     prefill_seconds: float = 0.0
     generate_seconds: float = 0.0
     draft: ModelUsage = field(default_factory=ModelUsage)

@@ -6,7 +6,8 @@ threads that share a fixed list of streamed chat requests. Per repeat, the basel
 list once (one client: more would only queue) and every client count runs on every other server,
 in rotating order, so the ratios compare the same requests in the same minutes of a noisy machine. Reported per server and client count: aggregate tok/s (all
 completion tokens over the wall time), its ratio to the one-at-a-time server, p50/p95 latency and
-time to first token, and how many answers equal the one-at-a-time server's.
+time to first token, and how many answers equal the one-at-a-time server's. Every run starts
+with the server's caches erased: slots would otherwise still hold prompts of the last run.
 """
 
 from __future__ import annotations
@@ -82,6 +83,12 @@ class Server:
     def name(self) -> str:
         return "one-at-a-time" if self.parallel == 1 else f"parallel {self.parallel}"
 
+    def erase(self) -> None:
+        """Forget every slot's cached prompts, so a run's prompts are not already in a cache."""
+        import httpx
+
+        httpx.post(self.base + "/slots", params={"action": "erase"}, timeout=30).raise_for_status()
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -125,6 +132,7 @@ def drive(server: Server, prompts: list[str], clients: int, max_tokens: int) -> 
             with lock:
                 done.append(Request(i, ttft, latency, tokens, text))
 
+    server.erase()  # cold caches: slots kept from the last run would skip those prompts' prefill
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         for f in [pool.submit(worker) for _ in range(clients)]:
