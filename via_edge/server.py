@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator, Literal, Union
+from typing import Awaitable, Callable, Iterator, Literal, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -127,7 +127,7 @@ class _Gate:
                              code="server_busy")
         self.queued += 1
 
-    async def enter(self, gone: Callable[[], "asyncio.Future[bool]"] | None = None) -> bool:
+    async def enter(self, gone: Callable[[], Awaitable[bool]] | None = None) -> bool:
         """Wait for a slot (False if `gone` says the client left first); leaves the queue either way."""
         try:
             if gone is None:
@@ -227,7 +227,7 @@ def create_app(engine: Engine, *, max_body: int = MAX_BODY, max_tokens_limit: in
         cancel = threading.Event()
         loop = asyncio.get_running_loop()
 
-        def run(fn: Callable[[], None]) -> None:
+        def run(fn: Callable[[], None]) -> asyncio.Future:
             """`fn` on a worker; the slot is free again once it has returned, however it ended."""
             future = loop.run_in_executor(workers, fn)
             future.add_done_callback(lambda _f: gate.slots.release())
