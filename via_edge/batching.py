@@ -106,7 +106,7 @@ class Scheduler:
             while not self._closed:
                 wait = self._ready()
                 if wait <= 0:
-                    self._lead()
+                    self._run_step()
                 else:
                     self._cv.wait(wait)
             for call in self._pending:
@@ -125,7 +125,7 @@ class Scheduler:
         since = max(self._pending[0].since, self._stepped)
         return self.linger - (time.perf_counter() - since)
 
-    def _lead(self) -> None:
+    def _run_step(self) -> None:
         """One step: a decode per model over the pending calls. Entered and left holding the lock."""
         plan: dict[LlamaModel, list[_Call]] = {}
         for call in self._pending:
