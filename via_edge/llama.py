@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -61,7 +62,36 @@ def _backend_init() -> None:
         _log_callback = lc.llama_log_callback(_on_log)
         lc.llama_log_set(_log_callback, ctypes.c_void_p(0))
         lc.llama_backend_init()
+        _defer_interrupts_in(_on_log.__code__)
         _initialized = True
+
+
+_interrupted = threading.Event()
+
+
+def _defer_interrupts_in(callback_code) -> None:
+    """Ctrl-C while llama.cpp runs our log callback would raise KeyboardInterrupt inside the
+    callback, where ctypes prints and drops it, and the generation would go on. Python runs signal
+    handlers in the main thread at its next bytecode, which during a decode is often the callback's:
+    there the interrupt is noted, and raised when the decode returns (`_raise_deferred`)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return  # someone else handles Ctrl-C
+
+    def on_sigint(signum, frame):
+        if frame is not None and frame.f_code is callback_code:
+            _interrupted.set()
+            return
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+
+
+def _raise_deferred() -> None:
+    if _interrupted.is_set() and threading.current_thread() is threading.main_thread():
+        _interrupted.clear()
+        raise KeyboardInterrupt
 
 
 def quantize(source: Path, dest: Path, ftype: str, *, output_type: str | None = None,
@@ -404,6 +434,7 @@ class LlamaModel:
             seq.usage.calls += 1
             seq.usage.tokens += len(chunk)
             seq.usage.seconds += dt
+        _raise_deferred()  # after the bookkeeping: every sequence's `tokens` is the cache's truth
         if not n_rows:
             return np.empty((0, self.n_vocab), dtype=np.float32)
         ptr = ctypes.cast(lc.llama_get_logits(self._ctx), self._logits_ptr_type)
