@@ -27,6 +27,7 @@ from .formats import FORMAT_NAMES, check_names
 from .batching import DEFAULT_PARALLEL
 from .llama import EXACT, MAX_SEQ
 from .modes import MODE_NAMES
+from .progress import StatusLine
 from .tune.survey import QUALITY_FLOOR, check_floor
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
@@ -585,17 +586,12 @@ def _tuning_hint(engine: Engine, target: Optional[str]) -> None:
              "`via-edge tune` measures which mode is fastest here")
 
 
-_shown: dict[str, int] = {}
+_loading: dict[str, StatusLine] = {}
 
 
 def _load_progress(role: str, frac: float) -> None:
-    """One line per model, rewritten only when the whole percentage changes."""
-    pct = int(frac * 100)
-    if _shown.get(role) == pct:
-        return
-    _shown[role] = pct
-    sys.stderr.write(f"\rloading {role} model {pct:3d}%" + ("\n" if pct >= 100 else ""))
-    sys.stderr.flush()
+    """One status line per model loaded."""
+    _loading.setdefault(role, StatusLine()).show(frac, f"loading {role} model {int(frac * 100):3d}%")
 
 
 def _logging(verbose: bool) -> None:

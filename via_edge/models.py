@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import CatalogError, DownloadError, ModelFileError
+from .progress import StatusLine
 
 CATALOG_FILE = "catalog.json"
 CHUNK = 1 << 20
@@ -130,14 +131,14 @@ def resolve(spec: str | os.PathLike, *, pull_missing: bool = False, quiet: bool 
 
 # ---- fetching ------------------------------------------------------------------------------------
 class Progress:
-    """A one-line progress bar on stderr (silent when `quiet`)."""
+    """A byte counter shown as one status line on stderr (silent when `quiet`)."""
 
     def __init__(self, label: str, total: int, quiet: bool = False) -> None:
-        self.label, self.total, self.quiet = label, total, quiet
+        self.label, self.total = label, total
         self.done = 0
         self.resumed = 0  # bytes already there when this run started: not part of its rate
         self.t0 = time.monotonic()
-        self._last = 0.0
+        self._line = StatusLine(quiet)
 
     def resume(self, n: int) -> None:
         self.done += n
@@ -145,18 +146,13 @@ class Progress:
 
     def update(self, n: int) -> None:
         self.done += n
-        now = time.monotonic()
-        if not self.quiet and (now - self._last > 0.2 or self.done >= self.total):
-            self._last = now
-            frac = self.done / self.total if self.total else 0.0
-            rate = (self.done - self.resumed) / max(now - self.t0, 1e-6) / 1e6
-            bar = "#" * int(frac * 30)
-            sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac:6.1%} {self.done / 1e6:8.1f} MB {rate:6.1f} MB/s")
-            sys.stderr.flush()
+        frac = self.done / self.total if self.total else 0.0
+        rate = (self.done - self.resumed) / max(time.monotonic() - self.t0, 1e-6) / 1e6
+        bar = "#" * int(min(frac, 1.0) * 30)
+        self._line.show(frac, f"{self.label} [{bar:<30}] {frac:6.1%} {self.done / 1e6:8.1f} MB {rate:6.1f} MB/s")
 
     def close(self) -> None:
-        if not self.quiet:
-            sys.stderr.write("\n")
+        self._line.end()
 
 
 def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> str:

@@ -9,7 +9,6 @@ same prompt in the same run.
 from __future__ import annotations
 
 import datetime as _dt
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -18,6 +17,7 @@ from ..decoding import SpecParams
 from ..engine import Engine
 from ..machine import machine, versions
 from ..modes import MODE_NAMES
+from ..progress import StatusLine
 from ..errors import InvalidParameterError
 from ..llama import EXACT, EXACT_F32, default_threads
 from ..slim import target_sha256
@@ -62,21 +62,19 @@ class BenchConfig:
 
 
 class Progress:
+    """Runs done out of the total, with the time left, as one status line on stderr."""
+
     def __init__(self, total: int, quiet: bool) -> None:
-        self.total, self.quiet, self.done, self.t0 = total, quiet, 0, time.monotonic()
+        self.total, self.done, self.t0 = total, 0, time.monotonic()
+        self._line = StatusLine(quiet)
 
     def step(self, label: str) -> None:
         self.done += 1
-        if self.quiet:
-            return
         frac = self.done / self.total
         elapsed = time.monotonic() - self.t0
-        eta = elapsed / frac - elapsed if frac else 0
-        sys.stderr.write(f"\r[{'#' * int(frac * 30):<30}] {self.done}/{self.total} {label:<40.40} "
-                         f"{elapsed:5.0f}s, ~{eta:4.0f}s left")
-        sys.stderr.flush()
-        if self.done == self.total:
-            sys.stderr.write("\n")
+        eta = elapsed / frac - elapsed
+        self._line.show(frac, f"[{'#' * int(frac * 30):<30}] {self.done}/{self.total} {label:<40.40} "
+                              f"{elapsed:5.0f}s, ~{eta:4.0f}s left")
 
 
 def model_facts(engine: Engine) -> dict:
