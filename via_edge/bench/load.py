@@ -13,7 +13,6 @@ with the server's caches erased: slots would otherwise still hold prompts of the
 from __future__ import annotations
 
 import json
-import os
 import socket
 import statistics
 import subprocess
@@ -24,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .. import plotting
 from ..errors import ViaEdgeError
 from ..files import write_text
 from ..machine import machine
@@ -232,12 +232,11 @@ def render_load(results: dict) -> str:
 
 
 def plot_load(results: dict, path: Path) -> bool:
-    try:
-        os.environ.setdefault("MPLBACKEND", "Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    """load.png: aggregate tok/s and latency per client count, per server. False without matplotlib."""
+    fig = plotting.figure(figsize=(12, 4.5))
+    if fig is None:
         return False
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ax1, ax2 = fig.subplots(1, 2)
     for name in dict.fromkeys(r["server"] for r in results["summary"]):
         rows = [r for r in results["summary"] if r["server"] == name]
         xs = [r["clients"] for r in rows]
@@ -255,9 +254,7 @@ def plot_load(results: dict, path: Path) -> bool:
     ax2.legend(fontsize=7)
     for ax in (ax1, ax2):
         ax.set_xticks(results["meta"]["clients"])
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plotting.save(fig, path)
     return True
 
 

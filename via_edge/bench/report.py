@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 from collections import defaultdict
 from pathlib import Path
 
+from .. import plotting
 from ..errors import InvalidParameterError
 from ..files import write_text
 from ..modes import LOSSLESS
@@ -144,15 +144,13 @@ def render_markdown(results: dict) -> str:
 
 def plot(results: dict, path: Path) -> bool:
     """speedup.png: speedup per category and method, and `via`'s tier shares. False without matplotlib."""
-    try:
-        os.environ.setdefault("MPLBACKEND", "Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    fig = plotting.figure(figsize=(14, 5))
+    if fig is None:
         return False
     summary = results["summary"]
     cats = sorted({p["category"] for p in results["meta"]["prompts"]})
     methods = [m for m in summary if m != "ar"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [3, 1.2]})
+    ax1, ax2 = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 1.2]})
     width = 0.8 / max(1, len(methods))
     for i, method in enumerate(methods):
         vals = [summary[method]["per_category"].get(c, 0) for c in cats] + [summary[method]["speedup"]]
@@ -173,9 +171,7 @@ def plot(results: dict, path: Path) -> bool:
     ax2.set_title("Who decided each token")
     ax2.legend(fontsize=8)
     ax2.tick_params(axis="x", rotation=30)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plotting.save(fig, path)
     return True
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .. import plotting
 from ..bench.metrics import fmt as _f
 from ..files import write_json, write_text
 from ..machine import machine_key
@@ -95,14 +96,10 @@ def render_markdown(r: dict) -> str:
 
 
 def plot_frontier(r: dict, path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    fig = plotting.figure(figsize=(9, 5.5))
+    if fig is None:
         return None
-    fig, ax = plt.subplots(figsize=(9, 5.5))
+    ax = fig.subplots()
     for mode, color in COLORS.items():
         pts = [c for c in r["candidates"] if c["mode"] == mode]
         if pts:
@@ -122,7 +119,5 @@ def plot_frontier(r: dict, path: Path) -> Path | None:
     ax.set_xlabel("speedup over ar (tok/s ratio)")
     ax.set_ylabel("token agreement with the target's greedy output")
     ax.legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plotting.save(fig, path)
     return path
