@@ -590,8 +590,10 @@ _loading: dict[str, StatusLine] = {}
 
 
 def _load_progress(role: str, frac: float) -> None:
-    """One status line per model loaded."""
+    """One status line per model load; a finished line is dropped, so a later load of the same role shows too."""
     _loading.setdefault(role, StatusLine()).show(frac, f"loading {role} model {int(frac * 100):3d}%")
+    if frac >= 1.0:
+        del _loading[role]
 
 
 def _logging(verbose: bool) -> None:
