@@ -28,10 +28,10 @@ from collections import defaultdict
 from pathlib import Path
 
 from via_edge import Engine
+from via_edge import models as catalog
 from via_edge.bench.metrics import geomean
 from via_edge.decoding import SpecParams
 from via_edge.drafters import PromptLookupDrafter
-from via_edge import models as catalog
 from via_edge.tune.profile import CostProfile
 from via_edge.tune.record import calibration_prompts, record, slim_traces
 from via_edge.tune.replay import replay
