@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from via_edge.bench.metrics import fidelity, geomean, spread
-from via_edge.bench.suite import load_prompts, spec_bench_categories
+from via_edge.bench.suite import load_prompts, packaged_rows
 from via_edge.errors import InvalidParameterError
 
 
@@ -27,7 +27,7 @@ def test_prefix_and_fidelity():
 
 
 def test_spec_bench_selection_is_fixed():
-    cats = spec_bench_categories()
+    cats = list(dict.fromkeys(r["category"] for r in packaged_rows("spec-bench")))
     assert len(cats) == 13 and "coding" in cats
     a = load_prompts("spec-bench", ["coding", "qa"], 2)
     assert [p.category for p in a] == ["coding", "coding", "qa", "qa"]

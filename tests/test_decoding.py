@@ -207,6 +207,17 @@ def test_invalid_spec_values():
             SpecParams(**kw)
 
 
+def fit(dist, counts):
+    """Chi-square p-value of `counts` drawn from `dist` (rare tokens pooled into one bin)."""
+    n = counts.sum()
+    big = dist * n >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(dist[big] * n, dist[~big].sum() * n)
+    keep = exp > 0
+    chi = (((obs - exp) ** 2)[keep] / exp[keep]).sum() + (obs[~keep].sum() > 0) * 1e9
+    return chi2_sf(chi, keep.sum() - 1)
+
+
 def test_stochastic_sd_and_hier_match_target_distribution(engines):
     """First emitted token of sampled sd and hier vs the target's own softmax: chi-square at p = 0.001.
 
@@ -221,22 +232,43 @@ def test_stochastic_sd_and_hier_match_target_distribution(engines):
     p = probs(engine.models.target.eval(prompt_tokens, 1)[0], SamplingParams(**sp))
     q = probs(engine.models.draft.eval(prompt_tokens, 1)[0], SamplingParams(**sp))
     n = 6000
-
-    def stat(dist, counts):
-        big = dist * n >= 5
-        obs = np.append(counts[big], counts[~big].sum())
-        exp = np.append(dist[big] * n, dist[~big].sum() * n)
-        keep = exp > 0
-        chi = (((obs - exp) ** 2)[keep] / exp[keep]).sum() + (obs[~keep].sum() > 0) * 1e9
-        return chi2_sf(chi, keep.sum() - 1)
-
     assert np.abs(p - q).sum() > 0.1  # the draft really differs, so the residual path runs
     for mode in ("sd", "hier"):
         firsts = [engine.generate(prompt_tokens, mode=mode, max_tokens=2, seed=i, **sp,
                                   spec=SpecParams(n_draft=3, tau_full=0.2)).tokens[0] for i in range(n)]
         counts = np.bincount(firsts, minlength=p.size)
-        assert stat(p, counts) > 0.001, mode
-        assert stat(q, counts) < 0.001, mode
+        assert fit(p, counts) > 0.001, mode
+        assert fit(q, counts) < 0.001, mode
+
+
+def test_stochastic_lookup_matches_target_distribution(engines):
+    """Sampled lookup: the copy is a point mass, accepted with probability p(copy), else the
+    token is drawn from p without it. Every run drafts the copy at the first position; the first
+    emitted token must follow the target's softmax (chi-square at p = 0.001), and the same
+    statistic rejects a rule that left the rejected copy in the residual."""
+    engine = engines[0]
+    engine.prepare("lookup")
+    engine.models.batch_cost = lambda n: 1.0  # the policy drafts whenever it sees a copy
+    sp = dict(temperature=8.0)
+    base = engine.tokens_for("the cat is here", False)
+    said = engine.generate(base, mode="ar", max_tokens=12).tokens
+    prompt_tokens = base + said + [said[0]]  # ends on a token seen once before: the copy is said[1]
+    copy = said[1]
+    p = probs(engine.models.target.eval(prompt_tokens, 1)[0], SamplingParams(**sp))
+    assert 0.05 < p[copy] < 0.9  # both the accept and the residual paths run often
+    n = 6000
+    firsts, drafted = [], 0
+    for i in range(n):
+        engine.reset()  # a fresh drafter: each draw is one first round
+        res = engine.generate(prompt_tokens, mode="lookup", max_tokens=2, seed=i, **sp)
+        firsts.append(res.tokens[0])
+        drafted += res.stats.draft_n > 0
+    counts = np.bincount(firsts, minlength=p.size)
+    assert drafted == n
+    assert fit(p, counts) > 0.001
+    wrong = p * (1 - p[copy])  # a rule that left the rejected copy in the residual
+    wrong[copy] = p[copy] * (2 - p[copy])
+    assert fit(wrong, counts) < 0.001
 
 
 def test_chi2_sf_known_values():

@@ -75,6 +75,7 @@ def test_logits_are_views_until_the_next_decode(model):
     """Rows are read-only views onto llama.cpp's buffer: no copy per row, and a view is overwritten
     by the model's next decode. The drafter reads each row before it decodes again, so its
     proposal equals one built from copies on a fresh model."""
+    from via_edge.decoding import SpecParams
     from via_edge.drafters import ModelDrafter
     from via_edge.sampling import SamplingParams
     from via_edge.scores import ScoredModel
@@ -87,7 +88,7 @@ def test_logits_are_views_until_the_next_decode(model):
     model.decode([int(saved[0].argmax())])
     assert not np.array_equal(row, saved)  # the hazard is real
     model.reset()
-    got = ModelDrafter(ScoredModel(model)).propose(toks, 6, SamplingParams(), None).tokens
+    got = ModelDrafter(ScoredModel(model)).propose(toks, 6, SamplingParams(), None, SpecParams(n_draft=6)).tokens
     model.reset()
     ctx, want = list(toks), []
     for _ in range(6):

@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
 # Install via-edge into a virtual environment, with llama-cpp-python built for this machine.
 #
-# llama-cpp-python ships as source only. Its default build uses -march=native, which on x86-64 CPUs
-# with AMX (amx_int8) enables ggml's AMX weight buffers; any multi-token llama_decode with quantized
-# weights then segfaults (llama.cpp #20824), and speculative verification always decodes several
-# tokens. On such machines we build without AMX; everywhere else (Metal on macOS, other CPUs) the
-# native build is kept. The wheel is built once per flag set into a cache folder named after it,
-# because pip's own wheel cache ignores CMAKE_ARGS.
+# llama-cpp-python ships as source only, and its vendored llama.cpp is built here with one of three
+# flavors:
+#   amx    x86-64 Linux CPUs with AMX (amx_int8 in /proc/cpuinfo): native flags, with the patch in
+#          tools/patches/ applied to the vendored ggml AMX kernels. Unpatched, GCC 12 drops the tile
+#          configuration's stores and the first multi-token decode on quantized weights dies with
+#          SIGILL (llama.cpp #20824; docs/design.md, "The AMX build"). After the build a self-check
+#          (tools/check_build.py) decodes through the AMX kernels in a subprocess and compares them
+#          with the plain ones; if it crashes or disagrees, the install falls back to noamx.
+#   noamx  native x86 SIMD without AMX (the fallback, and what earlier versions installed).
+#   native llama.cpp's own default: everywhere else (Metal on macOS, other CPUs).
+# Each wheel is built once into a cache folder named after the flavor, flags and patch, because pip's
+# own wheel cache ignores CMAKE_ARGS.
 #
 # Environment: VENV (default .venv), PYTHON (default python3), VIA_EDGE_WHEEL_CACHE,
-# VIA_EDGE_LLAMA_FLAVOR (native | noamx; default detected), CMAKE_ARGS (extra flags, kept).
+# VIA_EDGE_LLAMA_FLAVOR (amx | noamx | native; default detected), CMAKE_ARGS (extra flags, kept),
+# VIA_EDGE_AMX_PATCH (the patch the amx flavor applies; default the one in tools/patches/).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -17,6 +24,7 @@ venv="${VENV:-$here/.venv}"
 python="${PYTHON:-python3}"
 llama_version="0.3.36"
 cache="${VIA_EDGE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/via-edge/wheels}"
+amx_patch="${VIA_EDGE_AMX_PATCH:-$here/tools/patches/llama-cpp-python-$llama_version-amx-tile-config.patch}"
 
 noamx_flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
@@ -26,32 +34,85 @@ flavor="${VIA_EDGE_LLAMA_FLAVOR:-}"
 if [ -z "$flavor" ]; then
   flavor=native
   if [ "$(uname -s)" = Linux ] && [ "$(uname -m)" = x86_64 ] && grep -qw amx_int8 /proc/cpuinfo; then
-    flavor=noamx
+    flavor=amx
   fi
 fi
 case "$flavor" in
-  native) flags="${CMAKE_ARGS:-}" ;;
-  noamx) flags="$noamx_flags ${CMAKE_ARGS:-}" ;;
-  *) echo "install.sh: VIA_EDGE_LLAMA_FLAVOR must be native or noamx, not '$flavor'" >&2; exit 2 ;;
+  amx|noamx|native) ;;
+  *) echo "install.sh: VIA_EDGE_LLAMA_FLAVOR must be amx, noamx or native, not '$flavor'" >&2; exit 2 ;;
 esac
-tag="$flavor-$(printf '%s|%s|%s' "$flags" "$(uname -sm)" "$("$python" -c 'import sys; print(sys.version_info[:2])')" | sha256sum | cut -c1-12)"
-wheels="$cache/llama-cpp-python-$llama_version-$tag"
+
+flags_of() {  # the CMake flags of a flavor
+  case "$1" in
+    amx) echo "-DGGML_NATIVE=ON ${CMAKE_ARGS:-}" ;;
+    noamx) echo "$noamx_flags ${CMAKE_ARGS:-}" ;;
+    native) echo "${CMAKE_ARGS:-}" ;;
+  esac
+}
+
+wheel_dir() {  # the cache folder of a flavor: its flags, machine, Python and (amx) patch in the name
+  local patch_hash=none
+  if [ "$1" = amx ]; then patch_hash="$(sha256sum < "$amx_patch" | cut -c1-12)"; fi
+  local key
+  key="$(printf '%s|%s|%s|%s' "$(flags_of "$1")" "$(uname -sm)" \
+    "$("$python" -c 'import sys; print(sys.version_info[:2])')" "$patch_hash" | sha256sum | cut -c1-12)"
+  echo "$cache/llama-cpp-python-$llama_version-$1-$key"
+}
+
+build_wheel() {  # build a flavor's wheel into its cache folder unless it is there
+  local fl="$1" wheels
+  wheels="$(wheel_dir "$fl")"
+  if ls "$wheels"/llama_cpp_python-"$llama_version"-*.whl >/dev/null 2>&1; then return 0; fi
+  echo "install.sh: building llama-cpp-python $llama_version ($fl build; takes a few minutes, once)"
+  rm -rf "$wheels.tmp" && mkdir -p "$wheels.tmp"
+  local source="llama-cpp-python==$llama_version"
+  if [ "$fl" = amx ]; then
+    [ -f "$amx_patch" ] || { echo "install.sh: AMX patch $amx_patch is missing" >&2; return 1; }
+    "$venv/bin/python" -m pip download -q --no-deps --no-binary :all: -d "$wheels.tmp/sdist" "$source"
+    tar -xzf "$wheels.tmp"/sdist/llama_cpp_python-"$llama_version".tar.gz -C "$wheels.tmp/sdist"
+    source="$wheels.tmp/sdist/llama_cpp_python-$llama_version"
+    if ! patch -p1 --forward --silent -d "$source" < "$amx_patch"; then
+      echo "install.sh: the AMX patch $amx_patch does not apply to llama-cpp-python $llama_version" >&2
+      return 1
+    fi
+  fi
+  CMAKE_ARGS="$(flags_of "$fl")" "$venv/bin/python" -m pip wheel --no-deps --no-cache-dir \
+    --no-binary llama-cpp-python -w "$wheels.tmp" "$source"
+  rm -rf "$wheels.tmp/sdist" "$wheels" && mv "$wheels.tmp" "$wheels"
+}
+
+install_wheel() {  # put a flavor's llama-cpp-python into the venv, replacing whatever is there
+  "$venv/bin/python" -m pip install -q --force-reinstall --no-deps --find-links "$(wheel_dir "$1")" \
+    --only-binary llama-cpp-python "llama-cpp-python==$llama_version"
+}
 
 if [ ! -x "$venv/bin/python" ]; then
   echo "install.sh: creating virtual environment $venv"
   "$python" -m venv "$venv"
 fi
 
-if ! ls "$wheels"/llama_cpp_python-"$llama_version"-*.whl >/dev/null 2>&1; then
-  echo "install.sh: building llama-cpp-python $llama_version ($flavor build; takes a few minutes, once)"
-  mkdir -p "$wheels.tmp"
-  CMAKE_ARGS="$flags" "$venv/bin/python" -m pip wheel --no-deps --no-cache-dir --no-binary llama-cpp-python \
-    -w "$wheels.tmp" "llama-cpp-python==$llama_version"
-  rm -rf "$wheels" && mv "$wheels.tmp" "$wheels"
+if [ "$flavor" = amx ] && ! build_wheel amx; then
+  echo "install.sh: the amx build failed; falling back to the noamx build" >&2
+  flavor=noamx
 fi
+[ "$flavor" = amx ] || build_wheel "$flavor"
+install_wheel "$flavor"
+echo "install.sh: installing via-edge (llama.cpp $flavor build from $(wheel_dir "$flavor"))"
+"$venv/bin/python" -m pip install -q --find-links "$(wheel_dir "$flavor")" -e "$here[test,bench,serve]"
 
-echo "install.sh: installing via-edge (llama.cpp $flavor build from $wheels)"
-"$venv/bin/python" -m pip install -q --find-links "$wheels" --only-binary llama-cpp-python \
-  "llama-cpp-python==$llama_version"
-"$venv/bin/python" -m pip install -q --find-links "$wheels" -e "$here[test,bench,serve]"
-echo "install.sh: done. Try: $venv/bin/via-edge --help"
+self_check="not run"
+if [ "$flavor" = amx ]; then
+  # In a subprocess of its own: a SIGILL from broken kernels must not take the installer down.
+  if "$venv/bin/python" "$here/tools/check_build.py" --quiet; then
+    self_check=passed
+  else
+    echo "install.sh: the AMX build failed its self-check (above); installing the noamx build instead" >&2
+    flavor=noamx
+    self_check="amx build failed, noamx installed"
+    build_wheel noamx
+    install_wheel noamx
+  fi
+fi
+printf '{"flavor": "%s", "wheel": "%s", "self_check": "%s"}\n' "$flavor" "$(wheel_dir "$flavor")" "$self_check" \
+  > "$venv/via-edge-build.json"
+echo "install.sh: done (llama.cpp $flavor build). Try: $venv/bin/via-edge --help"

@@ -31,7 +31,7 @@ from via_edge import Engine
 from via_edge import models as catalog
 from via_edge.bench.metrics import geomean
 from via_edge.decoding import SpecParams
-from via_edge.drafters import PromptLookupDrafter
+from via_edge.drafters import CopyDrafter, CopyPolicy
 from via_edge.tune.profile import CostProfile
 from via_edge.tune.record import calibration_prompts, record, slim_traces
 from via_edge.tune.replay import replay
@@ -80,7 +80,8 @@ def main() -> None:
         traces = record(models["target"], models["draft"], toks, tokens)
         sts = slim_traces(models["slim"], traces)[0] if models["slim"] is not None else None
         eog = [t for t in range(models["target"].n_vocab) if models["target"].is_eog(t)]
-        lookup = PromptLookupDrafter(models["target"].n_vocab)
+        engine.prepare("lookup")
+        lookup = CopyDrafter(CopyPolicy(engine.models.batch_cost))  # the policy the real runs use
         specs = {m: SpecParams(**c["spec"]) for m, c in best.items()}
         replayed = {m: [replay(t, sts[i] if sts and best[m]["slim"] else None, m, specs[m], profile.cost, eog,
                                slim_model=slim_name, lookup=lookup if m == "lookup" else None).seconds

@@ -15,10 +15,10 @@ from typing import Callable, Iterator, TextIO
 
 from .engine import Engine
 from .errors import ViaEdgeError
-from .modes import DRAFT, MODE_NAMES, SLIM, TARGET
+from .modes import COPY, DRAFT, MODE_NAMES, SLIM, TARGET
 from .stats import Stats
 
-COLOURS = {DRAFT: "\033[32m", SLIM: "\033[33m", TARGET: "\033[34m"}
+COLOURS = {DRAFT: "\033[32m", COPY: "\033[36m", SLIM: "\033[33m", TARGET: "\033[34m"}
 RESET = "\033[0m"
 HELP = """commands:
   /stats        speed, acceptance and tier shares for this session
@@ -121,7 +121,9 @@ class ChatSession:
         s = self.stats
         gen = s.generated_tokens or 1
         return (f"[mode {self.engine.mode}] {s.generated_tokens} tokens at {s.tokens_per_second:.1f} tok/s; "
-                f"drafted {s.draft_n}, accepted {s.draft_n_accepted} ({s.acceptance_rate:.0%}); "
+                f"drafted {s.draft_n}, accepted {s.draft_n_accepted} ({s.acceptance_rate:.0%}), "
+                f"{s.mean_accepted_per_round:.1f} per round, drafts of {s.mean_draft_length:.1f}; "
+                f"copied {s.copied_tokens} ({s.copied_tokens / gen:.0%}); "
                 f"tiers A {s.tier_a / gen:.0%} B {s.tier_b / gen:.0%} C {s.tier_c / gen:.0%}")
 
     def write(self, text: str) -> None:

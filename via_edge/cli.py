@@ -23,7 +23,7 @@ from . import models as catalog
 from .decoding import SpecParams
 from .engine import Engine
 from .errors import InvalidParameterError, ViaEdgeError
-from .formats import FORMAT_NAMES, check_names
+from .formats import AMX_FORMATS, FORMAT_NAMES, OTHER_FORMATS, check_names, default_formats
 from .batching import DEFAULT_PARALLEL
 from .llama import EXACT, MAX_SEQ
 from .modes import MODE_NAMES
@@ -322,6 +322,10 @@ def bench(
     quick: bool = typer.Option(False, help="SmolLM2-135M (F32 copy, exact kernels) with a slim of itself "
                                "as draft, 4 prompts: about a minute."),
     peers: bool = typer.Option(True, "--peers/--no-peers", help="Also measure llama-cpp-python's Llama."),
+    peer: Optional[List[str]] = typer.Option(None, help="Only these peers (repeatable): llama-cpp-python, "
+                                             "llama-cpp-python-lookup."),
+    peer_python: Optional[str] = typer.Option(None, help="Run the peers with this Python, e.g. an environment "
+                                              "holding another llama.cpp build (docs/benchmarks.md, section 19)."),
     exact: bool = typer.Option(False, help="Exact kernels (see generate --exact): lossless modes match ar."),
     tuned: bool = typer.Option(False, "--tuned", help="Also run every mode with the pair's tuned knobs and slim "
                                "(via-edge tune), as <mode>:tuned beside the defaults, interleaved."),
@@ -352,7 +356,8 @@ def bench(
         _bench_serve(pair, suite, categories, max_tokens, out, threads, clients, parallel_list, requests, repeats,
                      modes if modes != "ar,sd,via,hier,lookup" else None)
         return
-    cfg = B.BenchConfig(pair=pair, modes=[m.strip() for m in modes.split(",") if m.strip()], peers=peers,
+    cfg = B.BenchConfig(pair=pair, modes=[m.strip() for m in modes.split(",") if m.strip()],
+                        peers=(list(peer) if peer else list(B.PEERS)) if peers else [], peer_python=peer_python,
                         suite=suite, categories=[c.strip() for c in categories.split(",")] if categories else None,
                         per_category=per_category, max_tokens=max_tokens, exact=exact, n_ctx=ctx,
                         threads=threads, tuned=tuned, quick=quick, command="via-edge " + " ".join(sys.argv[1:]),
@@ -376,7 +381,7 @@ def bench(
 def chat(
     mode: Optional[str] = _mode_opt("sd"),
     system: Optional[str] = typer.Option(None, help="System message."),
-    show_tiers: bool = typer.Option(False, help="Colour each token by origin: green draft, yellow slim, blue target."),
+    show_tiers: bool = typer.Option(False, help="Colour each token by origin: green draft, cyan copied from the context, yellow slim, blue target."),
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Maximum tokens per answer."),
     opts: Options = None,
 ) -> None:
@@ -431,8 +436,9 @@ def tune(
     repeats: int = typer.Option(2, help="Repeats of each cost measurement (medians kept)."),
     ctx: int = typer.Option(4096, help="Context window (tokens)."),
     threads: Optional[int] = typer.Option(None, help="CPU threads (default: all cores)."),
-    formats_list: str = typer.Option(",".join(FORMAT_NAMES), "--formats", help="Weight formats to try for target "
-                                     "and draft (comma-separated; 'shipped' alone skips the format step)."),
+    formats_list: Optional[str] = typer.Option(None, "--formats", help="Weight formats to try for target and draft "
+                                               "(comma-separated; 'shipped' alone skips the format step; default: "
+                                               "this build's, see `models optimize --help`)."),
     quality_floor: float = typer.Option(QUALITY_FLOOR, help="A derived format must keep at least this teacher-forced "
                                         "top-1 agreement with the shipped file (0..1)."),
     out: Optional[Path] = typer.Option(None, help="Also write report.md, tune.json and frontier.png here."),
@@ -456,6 +462,44 @@ def tune(
     typer.echo(result["choice"]["summary"])
     for p in [result["paths"]["profile"], result["paths"]["choice"], *map(str, paths)]:
         typer.echo(f"  wrote {p}")
+
+
+@app.command()
+def info() -> None:
+    """This machine and the llama.cpp build in use: flavor, features, CPU, where models and tuned
+    choices live. Tuned choices are kept per machine and build: one made on another is not used."""
+    from .llama import default_threads
+    from .machine import build, cpu_name, has_amx, machine_key, versions
+    from .tuned import tuned_dir
+
+    b, v = build(), versions()
+    typer.echo(f"via-edge {v['via_edge']}, llama-cpp-python {v['llama-cpp-python']}")
+    typer.echo(f"llama.cpp build: {b['flavor']} ({b['source']}; AMX self-check: {b['self_check']})")
+    typer.echo(f"features: {' '.join(b['features'])}")
+    typer.echo(f"cpu: {cpu_name()}, {default_threads()} threads available; AMX in the CPU: "
+               f"{'yes' if has_amx() else 'no'}")
+    typer.echo(f"machine key: {machine_key()}  (CPU, cores and build: what tuned choices are kept under)")
+    typer.echo(f"models: {catalog.model_dir()}  (VIA_EDGE_MODEL_DIR)")
+    mine = sorted(p.name.split("--")[0] for p in tuned_dir().glob(f"*--{machine_key()}.choice.json"))
+    others = sorted(p.name for p in tuned_dir().glob("*.choice.json") if machine_key() not in p.name)
+    typer.echo(f"tuned choices: {tuned_dir()}; for this machine and build: {', '.join(mine) or 'none'}"
+               + (f"; {len(others)} made elsewhere (not used here)" if others else ""))
+
+
+def _version(value: bool) -> None:
+    if value:
+        from .machine import build, versions
+
+        v = versions()
+        typer.echo(f"via-edge {v['via_edge']} (llama-cpp-python {v['llama-cpp-python']}, "
+                   f"llama.cpp {build()['flavor']} build)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and the llama.cpp build, then exit.")) -> None:
+    """Speculative decoding with intra-model routing (VIA-SD) on llama.cpp."""
 
 
 # ---- models ----------------------------------------------------------------------------------------
@@ -504,8 +548,9 @@ def models_verify(name: str) -> None:
 @shared()
 def models_optimize(
     name: str = typer.Argument(..., help="Pair, catalog model or GGUF path."),
-    formats_list: str = typer.Option(",".join(FORMAT_NAMES), "--formats", help="Formats to derive and measure "
-                                     "(comma-separated)."),
+    formats_list: Optional[str] = typer.Option(None, "--formats", help="Formats to derive and measure (comma-"
+                                               f"separated, of {', '.join(FORMAT_NAMES)}; default with AMX kernels: "
+                                               f"{','.join(AMX_FORMATS)}, else {','.join(OTHER_FORMATS)})."),
     quality_floor: float = typer.Option(QUALITY_FLOOR, help="Teacher-forced top-1 agreement with the source a "
                                         "format must keep to be picked (0..1)."),
     prompts: int = typer.Option(12, help="Calibration prompts (Spec-Bench, one per category) for the quality figures."),
@@ -556,7 +601,9 @@ def models_optimize(
                                                 "rows": {r: [x.to_dict() for x in rs] for r, rs in rows.items()}})
 
 
-def _format_names(raw: str) -> tuple[str, ...]:
+def _format_names(raw: str | None) -> tuple[str, ...]:
+    if raw is None:
+        return default_formats()
     names = tuple(n.strip() for n in raw.split(",") if n.strip())
     if not names:
         raise InvalidParameterError("--formats needs at least one format name")
@@ -591,7 +638,9 @@ _loading: dict[str, StatusLine] = {}
 
 def _load_progress(role: str, frac: float) -> None:
     """One status line per model load; a finished line is dropped, so a later load of the same role shows too."""
-    _loading.setdefault(role, StatusLine()).show(frac, f"loading {role} model {int(frac * 100):3d}%")
+    what = "measuring the target's batch costs (once on this machine)" if role == "batch costs" else \
+        f"loading {role} model"
+    _loading.setdefault(role, StatusLine()).show(frac, f"{what} {int(frac * 100):3d}%")
     if frac >= 1.0:
         del _loading[role]
 

@@ -25,7 +25,9 @@ def timings(result: Result, digits: int = 3) -> dict:
         "prompt_per_second": round(s.prompt_tokens_per_second, digits),
         "predicted_n": s.generated_tokens, "predicted_ms": round(s.generate_seconds * 1e3, digits),
         "predicted_per_second": round(s.tokens_per_second, digits),
-        "draft_n": s.draft_n, "draft_n_accepted": s.draft_n_accepted,
+        "draft_n": s.draft_n, "draft_n_accepted": s.draft_n_accepted, "copied_n": s.copied_tokens,
+        "mean_accepted_per_round": round(s.mean_accepted_per_round, digits),
+        "mean_draft_length": round(s.mean_draft_length, digits),
         "tier_a": s.tier_a, "tier_b": s.tier_b, "tier_c": s.tier_c, "mode": result.mode,
     }
 

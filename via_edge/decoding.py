@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from .drafters import Draft, Drafter
+from .drafters import NGRAM_LIMIT, Draft, Drafter
 from .errors import InvalidParameterError
 from .llama import common_prefix
 from .modes import DRAFT, SLIM, TARGET, Origin, Tier, mode_info
@@ -48,7 +48,7 @@ class SpecParams:
     from these fields.
     """
 
-    n_draft: int = _knob(6, "Draft tokens per round (llama.cpp --draft-max).")
+    n_draft: int = _knob(6, "Draft-model tokens per round (llama.cpp --draft-max).")
     tau_accept: float = _knob(0.9, "via: keep a draft token at or above this routing score.")
     tau_full: float = _knob(0.3, "via: send to the target below this score (>1: always); hier: cut the block there.")
     route: str = _knob("slim", "via: routing score from slim, draft or both.")
@@ -56,6 +56,10 @@ class SpecParams:
     hier_block: int = _knob(12, "hier: tokens per target verification.")
     p_min: float = _knob(0.0, "Stop drafting when the draft's top probability is below this.")
     n_min: int = _knob(0, "Draft at least this many tokens before p_min applies.")
+    copy_max: int = _knob(32, "lookup: longest copied draft; each round drafts 0..this, chosen from the "
+                              "copy's record and the target's batch costs.")
+    ngram_min: int = _knob(1, "lookup: shortest repeat of the context's end that anchors a copy.")
+    ngram_max: int = _knob(12, f"lookup: longest repeat looked for (at most {NGRAM_LIMIT}).")
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_draft <= 64:
@@ -76,6 +80,11 @@ class SpecParams:
             raise InvalidParameterError(f"p_min must be in [0, 1], got {self.p_min}")
         if self.n_min < 0:
             raise InvalidParameterError(f"n_min must be >= 0, got {self.n_min}")
+        if not 1 <= self.copy_max <= 64:
+            raise InvalidParameterError(f"copy_max must be in 1..64, got {self.copy_max}")
+        if not 1 <= self.ngram_min <= self.ngram_max <= NGRAM_LIMIT:
+            raise InvalidParameterError(f"need 1 <= ngram_min <= ngram_max <= {NGRAM_LIMIT}, got "
+                                        f"ngram_min {self.ngram_min}, ngram_max {self.ngram_max}")
         if not 2 <= self.hier_block <= 128:
             raise InvalidParameterError(f"hier_block must be in 2..128, got {self.hier_block}")
 
@@ -125,13 +134,15 @@ class Decoder:
     # ---- shared pieces --------------------------------------------------------------------------
     def _draft(self, ctx: list[int], budget: int, sp: SamplingParams, rng: np.random.Generator,
                stats: Stats, k: int | None = None, reserve: int = 1, conf: bool = False) -> Draft:
-        """Up to k tokens, leaving `reserve` places for the verifier's own token (budget, context)."""
-        k = min(self.spec.n_draft if k is None else k, budget - reserve,
-                self.target.n_ctx - len(ctx) - reserve)
+        """Up to k tokens (default: as many as the drafter's own knob allows), leaving `reserve`
+        places for the verifier's own token (budget, context)."""
+        room = min(budget, self.target.n_ctx - len(ctx)) - reserve
+        k = room if k is None else min(k, room)
         if k <= 0:
             return Draft()
-        draft = self.drafter.propose(ctx, k, sp, rng, p_min=self.spec.p_min, n_min=self.spec.n_min, conf=conf)
+        draft = self.drafter.propose(ctx, k, sp, rng, self.spec, conf=conf)
         stats.draft_n += len(draft)
+        stats.draft_rounds += bool(draft.tokens)
         return draft
 
     @staticmethod
@@ -141,7 +152,8 @@ class Decoder:
 
         rows[i] is the verifier's prediction for the position of tokens[i]; rows[len] is the bonus
         row. Greedy: longest prefix equal to the argmax. Sampling: accept with min(1, p/q), else
-        draw from the normalised residual max(0, p - q).
+        draw from the normalised residual max(0, p - q). A q of None is a point mass on the
+        token (a copy): accept with probability p, else draw from p without the token.
         """
         for i, tok in enumerate(tokens):
             if sp.greedy:
@@ -151,6 +163,12 @@ class Decoder:
                 continue
             p = rows.dist(i, sp)
             q = qs[i]
+            if q is None:
+                if rng.random() < p[tok]:
+                    continue
+                residual = p.copy()
+                residual[tok] = 0.0
+                return i, sample(residual if residual.sum() > 0 else p, rng)
             if rng.random() * q[tok] < p[tok]:
                 continue
             residual = np.maximum(p - q, 0.0)
@@ -172,12 +190,12 @@ class Decoder:
             return self._ar_round(ctx, sp, rng, stats, budget)
         return self._target_verifies(ctx, draft.tokens, draft.q, sp, rng)
 
-    def _target_verifies(self, ctx: list[int], tokens: list[int], qs: Sequence[np.ndarray] | None,
+    def _target_verifies(self, ctx: list[int], tokens: list[int], qs: Sequence[np.ndarray | None] | None,
                          sp: SamplingParams, rng: np.random.Generator) -> list[Committed]:
         """One batched target call: catch up on unseen context, verify `tokens`, add its own token."""
         rows = self.target.eval(ctx + tokens, len(tokens) + 1)
         n, nxt = self._verify(rows, tokens, qs, sp, rng)
-        return [(t, DRAFT, "C") for t in tokens[:n]] + [(nxt, TARGET, "C")]
+        return [(t, self.drafter.origin, "C") for t in tokens[:n]] + [(nxt, TARGET, "C")]
 
     def _via_round(self, ctx: list[int], sp: SamplingParams, rng: np.random.Generator, stats: Stats,
                    budget: int) -> list[Committed]:

@@ -1,38 +1,45 @@
 """Drafters: propose up to k tokens after a context, with the probabilities they were drawn from.
 
-One small interface (as llama.cpp's `common/speculative.cpp`): `propose(context, k, ...)`.
-`Draft.conf[i]` is the drafter's own (untempered) probability of token i, the `draft` routing
-score; `p_min` (passed per call from SpecParams) looks at the probability of the top candidate before
-a token is added; `Draft.q[i]` is the full distribution token i was sampled from,
-kept only when sampling, because the lossless acceptance rule needs it.
+One small interface (as llama.cpp's `common/speculative.cpp`): `propose(context, k, sp, rng, spec)`,
+each drafter reading the knobs of `spec` (SpecParams) that concern it. `Draft.conf[i]` is the
+drafter's own (untempered) probability of token i, the `draft` routing score; `Draft.q[i]` is the
+distribution token i was sampled from, kept only when sampling because the lossless acceptance
+rule needs it (None: a point mass on the token, as a copy is). `origin` says who the committed
+draft tokens came from: a draft model, or a copy of the context.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import numpy as np
 
-from .errors import IncompatibleModelsError, InvalidParameterError
-from .llama import LlamaModel
+from .errors import IncompatibleModelsError
+from .llama import LlamaModel, common_prefix
+from .modes import COPY, DRAFT, Origin
 from .sampling import SamplingParams, sample
 from .scores import Scorer
+
+if TYPE_CHECKING:
+    from .decoding import SpecParams
 
 
 @dataclass
 class Draft:
     tokens: list[int] = field(default_factory=list)
     conf: list[float] = field(default_factory=list)  # per token, when asked for (`draft` routing)
-    q: list[np.ndarray] | None = None  # per token, when sampling
+    q: list[np.ndarray | None] | None = None  # per token, when sampling (None: point mass)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
 
 class Drafter(Protocol):
-    def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator, *,
-                p_min: float = 0.0, n_min: int = 0, conf: bool = False) -> Draft: ...
+    origin: Origin
+
+    def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator,
+                spec: "SpecParams", *, conf: bool = False) -> Draft: ...
 
 
 class ModelDrafter:
@@ -42,13 +49,16 @@ class ModelDrafter:
     on the draft's confidence): it is a full pass over the vocabulary per token.
     """
 
+    origin = DRAFT
+
     def __init__(self, model: Scorer) -> None:
         self.model = model
 
-    def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator, *,
-                p_min: float = 0.0, n_min: int = 0, conf: bool = False) -> Draft:
+    def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator,
+                spec: "SpecParams", *, conf: bool = False) -> Draft:
         draft = Draft(q=None if sp.greedy else [])
-        k = min(k, self.model.n_ctx - len(context))
+        p_min, n_min = spec.p_min, spec.n_min
+        k = min(k, spec.n_draft, self.model.n_ctx - len(context))
         if k <= 0:
             return draft
         rows = self.model.eval(context, 1)
@@ -74,42 +84,178 @@ class ModelDrafter:
         return draft
 
 
-class PromptLookupDrafter:
-    """Continues the latest earlier occurrence of the context's last n-gram (no model call).
+NGRAM_LIMIT = 16  # longest n-gram the index keeps: longer anchors add nothing a run does not say
 
-    Tries n from `ngram_max` down to `ngram_min`; the proposal is deterministic, so its
-    distribution is a point mass (q = one-hot), conf is 1 and p_min/n_min do not apply.
+
+class NgramIndex:
+    """Every n-gram (n = 1..NGRAM_LIMIT) of a token list, mapped to the position right after its
+    latest occurrence whose continuation is known. Updated per appended token (no rescans): the
+    n-grams ending at the previous token are entered when the next one arrives, so the context's
+    own suffix is never its own match.
     """
 
-    def __init__(self, n_vocab: int, ngram_max: int = 3, ngram_min: int = 1) -> None:
-        if not 1 <= ngram_min <= ngram_max:
-            raise InvalidParameterError("need 1 <= ngram_min <= ngram_max")
-        self.n_vocab, self.ngram_max, self.ngram_min = n_vocab, ngram_max, ngram_min
+    def __init__(self, tokens: Sequence[int] = ()) -> None:
+        self.tokens: list[int] = []
+        self._after: list[dict[tuple[int, ...], int]] = [{} for _ in range(NGRAM_LIMIT + 1)]
+        self.extend(tokens)
 
-    def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator, *,
-                p_min: float = 0.0, n_min: int = 0, conf: bool = False) -> Draft:
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def append(self, token: int) -> None:
+        toks, i = self.tokens, len(self.tokens)
+        for n in range(1, min(NGRAM_LIMIT, i) + 1):
+            self._after[n][tuple(toks[i - n:i])] = i
+        toks.append(token)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            self.append(t)
+
+    def longest_match(self, n_max: int, n_min: int = 1) -> tuple[int, int] | None:
+        """(n, position after the latest earlier occurrence of the last n tokens) for the largest
+        n in n_min..n_max that occurs earlier, or None."""
+        toks = self.tokens
+        for n in range(min(n_max, NGRAM_LIMIT, len(toks) - 1), n_min - 1, -1):
+            at = self._after[n].get(tuple(toks[len(toks) - n:]))
+            if at is not None:
+                return n, at
+        return None
+
+    def snapshot(self) -> list[dict[tuple[int, ...], int]]:
+        """The tables, for comparing an incrementally built index with one built from scratch."""
+        return [dict(d) for d in self._after]
+
+
+# Prior acceptance of the next copied token by run length (tokens the current copy has matched,
+# bucketed by bit length: 1, 2-3, 4-7, ..., 64+), as (accepted, rejected) pseudo-counts. Optimistic
+# enough for long runs that a real copy gets drafted (and so measured) early; short runs must
+# earn their drafts. The learned counts take over after a few rounds.
+PRIOR = ((0.6, 1.4), (0.9, 1.1), (1.2, 0.8), (1.5, 0.5), (1.7, 0.3), (1.8, 0.2), (1.85, 0.15), (1.9, 0.1))
+MEMORY = 48.0  # counts per bucket are scaled down past this: the policy follows the current text
+
+
+def _bucket(run: int) -> int:
+    return min(run.bit_length(), len(PRIOR)) - 1
+
+
+class CopyPolicy:
+    """How many tokens of a copy to draft: the length that maximises expected tokens per unit of
+    target cost, or none when no length beats a plain decoding step.
+
+    Each drafted token is accepted with a probability learned per run length (how long the copy
+    has matched so far); a draft of k tokens commits 1 + sum_i prod_{j<=i} p(run + j) tokens for
+    one verification of k + 1 tokens, which costs `batch_cost(k + 1)` single steps (the target's
+    measured cost profile). A draft must beat a plain step by `margin`.
+    """
+
+    def __init__(self, batch_cost: Callable[[int], float] | None = None, margin: float = 0.05) -> None:
+        self.batch_cost = batch_cost or (lambda n: 1.0 + 0.25 * (n - 1))
+        self.margin = margin
+        self.counts = [list(p) for p in PRIOR]
+        self._costs: dict[int, float] = {}
+
+    def p_accept(self, run: int) -> float:
+        a, r = self.counts[_bucket(max(run, 1))]
+        return a / (a + r)
+
+    def cost(self, n: int) -> float:
+        c = self._costs.get(n)
+        if c is None:
+            c = self._costs[n] = max(float(self.batch_cost(n)), 1e-9) / max(float(self.batch_cost(1)), 1e-9)
+        return c
+
+    def length(self, run: int, k_max: int) -> int:
+        """The draft length for a copy that has matched `run` tokens (0: do not draft)."""
+        best_k, best = 0, 1.0 + self.margin
+        expected, survive = 1.0, 1.0
+        for k in range(1, k_max + 1):
+            survive *= self.p_accept(run + k - 1)
+            expected += survive
+            gain = expected / self.cost(k + 1)
+            if gain > best:
+                best_k, best = k, gain
+        return best_k
+
+    def observe(self, run: int, drafted: int, accepted: int) -> None:
+        """Learn from one verified draft: tokens before `accepted` were accepted, the next rejected."""
+        for j in range(min(accepted + 1, drafted)):
+            c = self.counts[_bucket(run + j)]
+            c[0 if j < accepted else 1] += 1.0
+            if c[0] + c[1] > MEMORY:
+                c[0] *= MEMORY / (c[0] + c[1])
+                c[1] = MEMORY - c[0]
+
+
+class CopyDrafter:
+    """Drafts what comes next in a copy of earlier context (the prompt, earlier turns, its own
+    output), for answers that rewrite text they were given: edits returned as whole files,
+    refactors, quotes.
+
+    It keeps an n-gram index of the context, fed only the tokens appended since its last call
+    (a context that does not extend the previous one is indexed anew), and an alignment with the
+    copy's source: while the text keeps matching the source, the next draft continues where the
+    last left off; after a mismatch it re-anchors on the longest earlier occurrence of the
+    context's suffix. `CopyPolicy` picks the draft length, often 0, so a round without a
+    reliable copy costs what plain decoding costs. Proposals are deterministic: q is a point
+    mass and conf is 1.
+    """
+
+    origin = COPY
+
+    def __init__(self, policy: CopyPolicy | None = None) -> None:
+        self.policy = policy or CopyPolicy()
+        self.index = NgramIndex()
+        self.src: int | None = None  # the source position the next token is expected to copy
+        self.run = 0                 # tokens the current alignment has matched
+        self._last: tuple[int, int, list[int]] | None = None  # (context length, run, tokens) of the last draft
+        self._context: Sequence[int] | None = None  # the list last proposed for
+
+    def _sync(self, context: Sequence[int]) -> None:
+        toks = self.index.tokens
+        n_old = len(toks)
+        # the decoding loop hands over one list per generation and only appends to it, so the
+        # same list (no longer than before) extends what was indexed; anything else is compared
+        same = context is self._context and len(context) >= n_old
+        self._context = context
+        if not same and common_prefix(toks, context) < n_old:
+            self.index, self.src, self.run, self._last = NgramIndex(context), None, 0, None
+            return
+        new = context[n_old:]
+        if self._last is not None and self._last[0] == n_old and new:
+            drafted = self._last[2]
+            accepted = common_prefix(drafted, new)
+            self.policy.observe(self._last[1], min(len(drafted), len(new)), accepted)
+        self._last = None
+        for tok in new:
+            src = self.src
+            if src is not None and toks[src] == tok:
+                self.src, self.run = src + 1, self.run + 1
+            else:
+                self.src, self.run = None, 0
+            self.index.append(tok)
+
+    def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator,
+                spec: "SpecParams", *, conf: bool = False) -> Draft:
         draft = Draft(q=None if sp.greedy else [])
-        toks = context if isinstance(context, list) else list(context)
-        n = len(toks)
-        for size in range(min(self.ngram_max, n - 1), self.ngram_min - 1, -1):
-            pattern = toks[n - size:]
-            for start in range(n - size - 1, -1, -1):
-                if toks[start:start + size] == pattern:
-                    draft.tokens = toks[start + size:start + size + k]
-                    break
-            if draft.tokens:
-                break
+        self._sync(context)
+        if self.run < spec.ngram_max:  # no copy yet, or a short one a longer match may beat
+            found = self.index.longest_match(spec.ngram_max, spec.ngram_min)
+            if found is not None and found[0] > self.run:
+                self.run, self.src = found
+        if self.src is None:
+            return draft
+        toks = self.index.tokens
+        k = self.policy.length(self.run, min(k, spec.copy_max, len(toks) - self.src))
+        if k == 0:
+            return draft
+        draft.tokens = toks[self.src:self.src + k]
+        self._last = (len(toks), self.run, draft.tokens)
         if conf:
-            draft.conf = [1.0] * len(draft.tokens)
+            draft.conf = [1.0] * k
         if draft.q is not None:
-            draft.q = [_one_hot(t, self.n_vocab) for t in draft.tokens]
+            draft.q = [None] * k  # point masses (see Decoder._verify)
         return draft
-
-
-def _one_hot(token: int, n_vocab: int) -> np.ndarray:
-    q = np.zeros(n_vocab, dtype=np.float32)
-    q[token] = 1.0
-    return q
 
 
 def check_compatible(target: LlamaModel, other: LlamaModel, role: str) -> None:

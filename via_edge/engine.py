@@ -19,7 +19,8 @@ from . import formats
 from . import models as catalog
 from .batching import BatchedSeq, Scheduler
 from .decoding import Decoder, SpecParams
-from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, check_compatible
+from .costs import batch_cost
+from .drafters import CopyDrafter, CopyPolicy, Drafter, ModelDrafter, check_compatible
 from .errors import ContextOverflowError, InvalidParameterError
 from .llama import MAX_SEQ, LlamaModel, LoadParams, common_prefix
 from .modes import TARGET, Mode, Origin, Tier, mode_info
@@ -139,6 +140,7 @@ class _Models:
     draft: LlamaModel | None = None
     slim: LlamaModel | None = None
     slim_prefix: int | None = None  # blocks kept, when the slim is a prefix of the target
+    batch_cost: Callable[[int], float] | None = None  # the target's verification cost by size (lookup)
 
 
 class Engine:
@@ -167,7 +169,6 @@ class Engine:
         kv_type: str = "f16",
         spec: SpecParams = SpecParams(),
         mode_specs: Mapping[str, SpecParams] | None = None,
-        lookup_ngram: int = 3,
         slim_kv: str = "import",
         f32: bool = False,
         pull_missing: bool = False,
@@ -202,7 +203,6 @@ class Engine:
                 parse_layers(layers, n_block)
         self._draft_spec, self._draft_layers = draft, draft_layers
         self._slim_spec, self._slim_layers = slim, slim_layers
-        self._lookup_ngram = lookup_ngram
         self._slim_kv = slim_kv
         self.models = _Models(self._load("target", self.target_path))
         self.tuned: TunedConfig | None = None  # set by from_pair when a tuned choice applied
@@ -275,6 +275,12 @@ class Engine:
             source = slim_source(m.slim.path)  # KV import only from the very target the slim was cut from
             if source and is_prefix(source[0]) and source[1] == target_sha256(self.target_path):
                 m.slim_prefix = len(source[0])
+        if info.drafter == "lookup" and m.batch_cost is None:
+            if self._progress is not None:
+                self._progress("batch costs", 0.0)
+            m.batch_cost = batch_cost(m.target)  # measured once per machine and model file
+            if self._progress is not None:
+                self._progress("batch costs", 1.0)
 
     def _load_derived(self, role: str, given: str | Path | None, layers: str | None, mode: str) -> LlamaModel:
         """The draft or slim: a given file, else a slim of the target's `layers`; checked against it."""
@@ -291,8 +297,8 @@ class Engine:
     def _drafter(self, slot: _Slot, mode: str) -> Drafter | None:
         kind = mode_info(mode).drafter
         if kind is not None and kind not in slot.drafters:
-            slot.drafters[kind] = (PromptLookupDrafter(self.models.target.n_vocab, self._lookup_ngram)
-                                   if kind == "lookup" else ModelDrafter(self._scorer(slot, "draft")))
+            slot.drafters[kind] = (CopyDrafter(CopyPolicy(self.models.batch_cost)) if kind == "lookup"
+                                   else ModelDrafter(self._scorer(slot, "draft")))
         return slot.drafters.get(kind) if kind else None
 
     def _scorer(self, slot: _Slot, role: str) -> ScoredModel | None:
@@ -351,10 +357,13 @@ class Engine:
                 m.close()
 
     def reset(self) -> None:
-        """Forget every cached prompt (KV caches), so the next call pays its full prefill."""
+        """Forget every cached prompt (KV caches), so the next call pays its full prefill, and
+        what the copy drafters learned."""
         for m in (self.models.slim, self.models.draft, self.models.target):
             if m is not None:
                 m.reset()
+        for slot in self._slots:
+            slot.drafters.pop("lookup", None)
 
     def __enter__(self) -> "Engine":
         return self

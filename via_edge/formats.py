@@ -37,7 +37,10 @@ class Recipe:
     name: str
     ftype: str                 # LLAMA_FTYPE_MOSTLY_<ftype>
     body: str                  # the ggml type pure=True gives every quantized tensor
-    head: str | None = None    # LM head type (None: the body type)
+    head: str | None = None    # LM head type (None: the body type; SOURCE_HEAD: the source's own)
+
+
+SOURCE_HEAD = "source"  # keep the LM head in the source's type (the head decides every logit)
 
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
@@ -45,8 +48,22 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("q4_0", "Q4_0", "Q4_0"),                   # repacked on x86 and ARM, cheapest single-token path
     Recipe("iq4_nl", "IQ4_NL", "IQ4_NL"),             # non-linear 4-bit, repacked on x86
     Recipe("q4_0-q8head", "Q4_0", "Q4_0", head="Q8_0"),  # Q4_0 body, Q8_0 LM head (more precise logits)
+    # AMX kernels cover Q4_0, Q8_0, Q4_K and Q6_K at every batch size (docs/benchmarks.md, section 19)
+    Recipe("q8_0", "Q8_0", "Q8_0"),
+    Recipe("q4_0-srchead", "Q4_0", "Q4_0", head=SOURCE_HEAD),
+    Recipe("q8_0-srchead", "Q8_0", "Q8_0", head=SOURCE_HEAD),
 )}
 FORMAT_NAMES = (SHIPPED, *RECIPES)
+AMX_FORMATS = (SHIPPED, "q4_0", "q4_0-srchead", "q8_0", "q8_0-srchead", "iq4_nl")  # what AMX kernels change
+OTHER_FORMATS = (SHIPPED, "q4_k", "q4_0", "iq4_nl", "q4_0-q8head")
+
+
+def default_formats() -> tuple[str, ...]:
+    """The formats the format step tries on this build: with AMX kernels, Q4_0 and Q8_0 (pure and
+    with the source's LM head) beside IQ4_NL, which AMX does not run; elsewhere the repacked ones."""
+    from .llama import system_info
+
+    return AMX_FORMATS if "AMX_INT8 = 1" in system_info() else OTHER_FORMATS
 
 
 def recipe(name: str) -> Recipe:
@@ -84,6 +101,9 @@ def estimate_size(source: Path, r: Recipe) -> int:
     head_name = lm_head(source)
     for t in open_reader(source).tensors:
         if len(t.shape) < 2 or not t.name.endswith(".weight"):  # norms and biases stay F32
+            total += int(t.n_bytes)
+            continue
+        if t.name == head_name and r.head == SOURCE_HEAD:
             total += int(t.n_bytes)
             continue
         kind = T[r.head] if (r.head and t.name == head_name) else T[r.body]
@@ -131,7 +151,9 @@ def _quantize(source: Path, tmp: Path, r: Recipe, sha: str, threads: int | None,
     Ctrl-C interrupts at once (the partial file is then removed by the caller)."""
     head = {}
     if r.head:
-        head = {"output_type" if lm_head(source) == "output.weight" else "embedding_type": r.head}
+        name = lm_head(source)
+        kind = tensor_types(source)[name] if r.head == SOURCE_HEAD else r.head
+        head = {"output_type" if name == "output.weight" else "embedding_type": kind}
     meta = {"via_edge.format.recipe": r.name, "via_edge.format.source_sha256": sha,
             "via_edge.format.version": FORMAT_VERSION}
     failed: list[BaseException] = []

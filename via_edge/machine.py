@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
 import re
+import sys
 from pathlib import Path
 
 from . import __version__
@@ -19,6 +21,33 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def has_amx() -> bool:
+    try:
+        return "amx_int8" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+def build() -> dict:
+    """The llama.cpp build in use: its flavor (amx, noamx, native), where that was learnt, and
+    the features llama.cpp reports. tools/install.sh records the flavor and its self-check in the
+    environment; otherwise it is inferred from the features and the CPU."""
+    from .llama import system_info
+
+    info = system_info()
+    features = sorted(k.strip() for part in info.split("|") if "=" in part
+                      for k, v in [part.split(":")[-1].split("=")] if v.strip() == "1")
+    try:
+        recorded = json.loads((Path(sys.prefix) / "via-edge-build.json").read_text())
+    except (OSError, ValueError):
+        recorded = {}
+    if recorded.get("flavor"):
+        return {"flavor": recorded["flavor"], "source": "tools/install.sh", "features": features,
+                "self_check": recorded.get("self_check", "not run")}
+    flavor = "amx" if "AMX_INT8" in features else "noamx" if has_amx() else "native"
+    return {"flavor": flavor, "source": "inferred", "features": features, "self_check": "not run"}
 
 
 def machine() -> dict:

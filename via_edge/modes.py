@@ -10,11 +10,12 @@ from typing import Literal
 from .errors import InvalidParameterError
 
 Mode = Literal["ar", "sd", "lookup", "via", "hier"]
-Origin = Literal["draft", "slim", "target"]  # which model produced a committed token
+Origin = Literal["draft", "copy", "slim", "target"]  # who produced a committed token (copy: the context)
 Tier = Literal["A", "B", "C"]                # what decided it: routing alone, the slim, the target
 Drafting = Literal["model", "lookup"]
 
 DRAFT: Origin = "draft"
+COPY: Origin = "copy"
 SLIM: Origin = "slim"
 TARGET: Origin = "target"
 
@@ -35,7 +36,7 @@ class ModeInfo:
 MODES: dict[str, ModeInfo] = {
     "ar": ModeInfo(None, False, True, "ar", "the target alone, one token per call"),
     "sd": ModeInfo("model", False, True, "sd", "draft model proposes, target verifies"),
-    "lookup": ModeInfo("lookup", False, True, "sd", "sd with prompt-lookup (n-gram) drafts"),
+    "lookup": ModeInfo("lookup", False, True, "sd", "sd with drafts copied from the context (copy-aware)"),
     "via": ModeInfo("model", True, False, "via", "three tiers routed by the slim (lossy)"),
     "hier": ModeInfo("model", True, True, "hier", "slim filters and extends drafts, target verifies"),
 }

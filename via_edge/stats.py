@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from .modes import DRAFT, SLIM, Origin, Tier
+from .modes import COPY, DRAFT, SLIM, Origin, Tier
 
 
 @dataclass
@@ -33,6 +33,8 @@ class Stats:
     rounds: int = 0
     draft_n: int = 0              # tokens proposed by the drafter
     draft_n_accepted: int = 0     # proposed tokens that were committed (any tier)
+    draft_rounds: int = 0         # rounds in which the drafter proposed anything
+    copied_tokens: int = 0        # committed draft tokens that copy the context (lookup)
     tier_a: int = 0               # accepted without any verifier (routing score >= tau_accept)
     tier_b: int = 0               # decided by the slim verifier
     tier_b_replaced: int = 0      # ... of which the slim replaced the draft token
@@ -56,8 +58,9 @@ class Stats:
             self.tier_b_replaced += origin == SLIM  # the slim only emits tokens of its own in tier B
         else:
             self.tier_c += 1
-        if origin == DRAFT:
+        if origin == DRAFT or origin == COPY:
             self.draft_n_accepted += 1
+            self.copied_tokens += origin == COPY
         elif origin != SLIM:
             self.target_tokens += 1
 
@@ -76,6 +79,11 @@ class Stats:
     @property
     def mean_accepted_per_round(self) -> float:
         return self.draft_n_accepted / self.rounds if self.rounds else 0.0
+
+    @property
+    def mean_draft_length(self) -> float:
+        """Tokens per proposed draft: the length the drafter (or the copy policy) chose."""
+        return self.draft_n / self.draft_rounds if self.draft_rounds else 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -103,6 +111,7 @@ class Stats:
             rejection_rate=round(self.rejection_rate, 4),
             acceptance_rate=round(self.acceptance_rate, 4),
             mean_accepted_per_round=round(self.mean_accepted_per_round, 3),
+            mean_draft_length=round(self.mean_draft_length, 3),
             tokens_per_second=round(self.tokens_per_second, 3),
             prompt_tokens_per_second=round(self.prompt_tokens_per_second, 3),
         )

@@ -7,6 +7,7 @@ by pair and machine, because a choice measured on one CPU says nothing about ano
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from .decoding import SpecParams
 from .errors import ViaEdgeError
 from .files import read_json
 from .machine import machine_key
+
+log = logging.getLogger("via_edge.tuned")
 
 
 def tuned_dir() -> Path:
@@ -49,6 +52,11 @@ def load_choice(pair: str) -> TunedConfig | None:
     """The tuned choice for `pair` on this machine, or None when it was never tuned here."""
     path = tuned_path(pair, "choice")
     if not path.exists():
+        others = sorted(p.name for p in tuned_dir().glob(f"{pair}--*.choice.json"))
+        if others:
+            log.warning("the tuned choice for %s was made on another machine or llama.cpp build (%s), "
+                        "not this one (%s); it is not applied: run `via-edge tune --pair %s` here",
+                        pair, others[0].split("--", 1)[1].removesuffix(".choice.json"), machine_key(), pair)
         return None
     data = read_json(path)
     try:

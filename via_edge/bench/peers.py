@@ -4,42 +4,53 @@ Measured on the same prompt tokens, greedy, same context and threads. `Llama.gen
 token ids, so fidelity is computed on tokens as for via-edge's modes. Its prefill cannot be timed
 apart from the first decode, so `prefill_s` is the time to the first token and the generation
 rate counts the tokens after it.
+
+A peer runs in this process (the llama.cpp build via-edge uses) or, given another environment's
+Python (`peer_python`), in a child process there: how via-edge on the AMX build is compared with
+llama-cpp-python as users install it (the noamx wheel on an AMX machine; its native build crashes
+there). The child is `peer_worker.py`, which needs nothing but llama-cpp-python.
 """
 
 from __future__ import annotations
 
-import time
+import json
+import subprocess
 from pathlib import Path
 from typing import Callable
+
+from .peer_worker import Generator
 
 PEERS = ("llama-cpp-python", "llama-cpp-python-lookup")
 
 
 class Peer:
-    def __init__(self, name: str, path: Path, n_ctx: int, n_threads: int) -> None:
-        from llama_cpp import Llama
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-        draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if name.endswith("lookup") else None
+    def __init__(self, name: str, path: Path, n_ctx: int, n_threads: int, python: str | None = None) -> None:
         self.name = name
-        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
-                         draft_model=draft, logits_all=draft is not None, verbose=False)
+        args = dict(path=str(path), n_ctx=n_ctx, n_threads=n_threads, lookup=name.endswith("lookup"))
+        self._local = Generator(**args) if python is None else None
+        self._proc = None
+        if python is not None:
+            worker = Path(__file__).with_name("peer_worker.py")
+            self._proc = subprocess.Popen([python, str(worker), json.dumps(args)], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, text=True)
+            self._call({"ping": True})
+
+    def _call(self, request: dict) -> dict:
+        self._proc.stdin.write(json.dumps(request) + "\n")
+        self._proc.stdin.flush()
+        line = self._proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"peer {self.name} exited with code {self._proc.wait()}")
+        return json.loads(line)
 
     def run(self, tokens: list[int], max_tokens: int, is_eog: Callable[[int], bool]) -> dict:
-        self.llm.reset()
-        out: list[int] = []
-        t0 = time.perf_counter()
-        t_first = t0
-        for tok in self.llm.generate(tokens, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
-            if not out:
-                t_first = time.perf_counter()
-            out.append(tok)
-            if is_eog(tok) or len(out) >= max_tokens:
-                break
-        t_end = time.perf_counter()
-        gen_s = t_end - t_first
-        return {"tokens": out, "prefill_s": t_first - t0, "gen_s": gen_s,
-                "tok_s": (len(out) - 1) / gen_s if len(out) > 1 and gen_s > 0 else 0.0}
+        if self._local is not None:
+            return self._local.run(tokens, max_tokens, is_eog)
+        return self._call({"tokens": tokens, "max_tokens": max_tokens})  # it stops on its own EOG set
 
     def close(self) -> None:
-        self.llm.close()
+        if self._local is not None:
+            self._local.close()
+        if self._proc is not None:
+            self._proc.stdin.close()
+            self._proc.wait(timeout=60)

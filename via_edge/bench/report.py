@@ -19,14 +19,16 @@ def summarize(results: dict) -> dict:
     methods = results["meta"]["methods"]
     ar = {r["prompt_id"]: r for r in runs if r["method"] == "ar"}
     formats = results["meta"].get("formats", {})
-    peer = {r["prompt_id"]: r for r in runs if r["method"] == PEERS[0]}
+    peers = {p: {r["prompt_id"]: r for r in runs if r["method"] == p} for p in PEERS}
+    peers = {p: by_prompt for p, by_prompt in peers.items() if by_prompt}
     summary = {}
     for method in methods:
         mine = [r for r in runs if r["method"] == method]
         ratios = [r["tok_s"] / ar[r["prompt_id"]]["tok_s"] for r in mine if ar[r["prompt_id"]]["tok_s"] > 0]
         fid = [fidelity(ar[r["prompt_id"]]["tokens"], r["tokens"]) for r in mine]
-        cats = defaultdict(list)
-        for r in mine:
+        cats, cat_agreement = defaultdict(list), defaultdict(list)
+        for r, f in zip(mine, fid):
+            cat_agreement[r["category"]].append(f["agreement"])
             if ar[r["prompt_id"]]["tok_s"] > 0:
                 cats[r["category"]].append(r["tok_s"] / ar[r["prompt_id"]]["tok_s"])
         entry = {
@@ -35,6 +37,7 @@ def summarize(results: dict) -> dict:
             "prefill_s": spread([r["prefill_s"] for r in mine]),
             "speedup": geomean(ratios), "speedup_spread": spread(ratios),
             "per_category": {c: geomean(v) for c, v in cats.items()},
+            "per_category_agreement": {c: sum(v) / len(v) for c, v in cat_agreement.items()},
             "fidelity": {
                 "exact_rate": sum(f["exact"] for f in fid) / len(fid) if fid else float("nan"),
                 "prefix_mean": sum(f["prefix"] for f in fid) / len(fid) if fid else float("nan"),
@@ -45,18 +48,23 @@ def summarize(results: dict) -> dict:
             "lossless": method.split(":")[0] in LOSSLESS | set(PEERS) and formats.get(method) == formats.get("ar"),
             "format": formats.get(method, ""),
         }
-        if peer:  # the same ratios against what users already have: llama-cpp-python on the shipped file
-            vs = [r["tok_s"] / peer[r["prompt_id"]]["tok_s"] for r in mine if peer[r["prompt_id"]]["tok_s"] > 0]
-            entry["speedup_vs_peer"] = geomean(vs)
-            entry["speedup_vs_peer_spread"] = spread(vs)
+        # the same ratios against what users already have: llama-cpp-python on the shipped file
+        for p, by_prompt in peers.items():
+            vs = [r["tok_s"] / by_prompt[r["prompt_id"]]["tok_s"] for r in mine
+                  if by_prompt[r["prompt_id"]]["tok_s"] > 0]
+            entry.setdefault("vs_peers", {})[p] = {"speedup": geomean(vs), "spread": spread(vs)}
+            if "speedup_vs_peer" not in entry:  # the first peer present: the summary table's column
+                entry.update(peer=p, speedup_vs_peer=geomean(vs), speedup_vs_peer_spread=spread(vs))
         stats = [r["stats"] for r in mine if "stats" in r]
         if stats:
             def tot(key: str, stats=stats) -> float:
-                return sum(s[key] for s in stats)
+                return sum(s.get(key, 0) for s in stats)  # older results lack newer counters
 
             gen = tot("generated_tokens")
             entry.update({
                 "draft_n": tot("draft_n"), "draft_n_accepted": tot("draft_n_accepted"),
+                "copied_share": tot("copied_tokens") / gen if gen else 0.0,
+                "mean_draft_length": tot("draft_n") / tot("draft_rounds") if tot("draft_rounds") else 0.0,
                 "rejection_rate": 1 - tot("draft_n_accepted") / tot("draft_n") if tot("draft_n") else 0.0,
                 "mean_accepted_per_round": tot("draft_n_accepted") / tot("rounds") if tot("rounds") else 0.0,
                 "tiers": {"A": tot("tier_a"), "B": tot("tier_b"), "C": tot("tier_c"),
@@ -70,6 +78,10 @@ def summarize(results: dict) -> dict:
             })
         summary[method] = entry
     return summary
+
+
+def _first_peer(summary: dict) -> str:
+    return next((s["peer"] for s in summary.values() if "peer" in s), "llama-cpp-python")
 
 
 def _spec_lines(params: dict) -> list[str]:
@@ -105,7 +117,7 @@ def render_markdown(results: dict) -> str:
         "",
         "## Summary (speedup = geometric mean over prompts of tok/s ÷ `ar` tok/s on the same prompt)",
         "",
-        "| method | weights | tok/s median (min–max) | speedup | speedup min–max | vs llama-cpp-python | exact match | identical prefix | token agreement | rejection rate | accepted/round |",
+        f"| method | weights | tok/s median (min–max) | speedup | speedup min–max | vs {_first_peer(summary)} | exact match | identical prefix | token agreement | rejection rate | accepted/round |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for method, s in summary.items():
@@ -123,9 +135,23 @@ def render_markdown(results: dict) -> str:
               "| method | " + " | ".join(cats) + " |", "| --- |" + " --- |" * len(cats)]
     for method, s in summary.items():
         lines.append(f"| {method} | " + " | ".join(_f(s["per_category"].get(c, float("nan"))) for c in cats) + " |")
+    lines += ["", "## Token agreement with `ar` per category (mean)", "",
+              "| method | " + " | ".join(cats) + " |", "| --- |" + " --- |" * len(cats)]
+    for method, s in summary.items():
+        lines.append(f"| {method} | " + " | ".join(_f(s["per_category_agreement"].get(c, float("nan")))
+                                                   for c in cats) + " |")
+    present = [p for p in PEERS if any(p in s.get("vs_peers", {}) for s in summary.values())]
+    if len(present) > 1:
+        lines += ["", "## Against each llama-cpp-python peer (geomean of tok/s ratios, min–max)", "",
+                  "| method | " + " | ".join(present) + " |", "| --- |" + " --- |" * len(present)]
+        for method, s in summary.items():
+            v = s.get("vs_peers", {})
+            lines.append(f"| {method} | " + " | ".join(
+                f"{_f(v[p]['speedup'])}x ({_f(v[p]['spread']['min'])}–{_f(v[p]['spread']['max'])})" if p in v else ""
+                for p in present) + " |")
     lines += ["", "## Where the time goes (all prompts)", "",
-              "| method | prefill median s | draft calls / s | slim calls / s | target calls / s | tiers A / B (replaced) / C |",
-              "| --- | --- | --- | --- | --- | --- |"]
+              "| method | prefill median s | draft calls / s | slim calls / s | target calls / s | tiers A / B (replaced) / C | copied share | mean draft length |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for method, s in summary.items():
         if "models" not in s:
             lines.append(f"| {method} | {_f(s['prefill_s']['median'], 3)} | | | | |")
@@ -134,7 +160,8 @@ def render_markdown(results: dict) -> str:
         tiers = s["tiers"]
         lines.append(f"| {method} | {_f(s['prefill_s']['median'], 3)} | {mm['draft']['calls']} / {mm['draft']['seconds']} "
                      f"| {mm['slim']['calls']} / {mm['slim']['seconds']} | {mm['target']['calls']} / {mm['target']['seconds']} "
-                     f"| {tiers['A']} / {tiers['B']} ({tiers['B_replaced']}) / {tiers['C']} |")
+                     f"| {tiers['A']} / {tiers['B']} ({tiers['B_replaced']}) / {tiers['C']} "
+                     f"| {_f(s.get('copied_share', float('nan')))} | {_f(s.get('mean_draft_length', float('nan')), 1)} |")
     lines += ["", "Fidelity is measured against `ar`'s greedy output on the same prompt: exact match rate, mean share "
               "of `ar`'s tokens before the first difference, and position-wise token agreement. Lossless methods "
               "differ from `ar` only where batched and single-token kernels round differently (weight repacking); "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as _dt
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from .. import models as catalog
 from ..decoding import SpecParams
@@ -24,7 +25,7 @@ from ..slim import target_sha256
 from ..tuned import load_choice
 from .peers import PEERS, Peer
 from .report import summarize
-from .suite import load_prompts
+from .suite import Prompt, load_prompts
 
 WARMUP = "Say hello in one short sentence."
 QUICK = dict(pair="smollm2", per_category=1, max_tokens=32,
@@ -35,7 +36,8 @@ QUICK = dict(pair="smollm2", per_category=1, max_tokens=32,
 class BenchConfig:
     pair: str | None = None
     modes: list[str] = field(default_factory=lambda: ["ar", "sd", "via", "hier", "lookup"])
-    peers: bool = True
+    peers: list[str] = field(default_factory=lambda: list(PEERS))  # llama-cpp-python peers to run beside
+    peer_python: str | None = None  # run them with this Python (another environment's build)
     suite: str = "spec-bench"
     categories: list[str] | None = None
     per_category: int = 1
@@ -50,6 +52,11 @@ class BenchConfig:
     command: str = ""
 
     def validate(self) -> None:
+        unknown = [p for p in self.peers if p not in PEERS]
+        if unknown:
+            raise InvalidParameterError(f"unknown peer(s) {', '.join(unknown)}; choose from {', '.join(PEERS)}")
+        if self.peer_python and not Path(self.peer_python).exists():
+            raise InvalidParameterError(f"--peer-python {self.peer_python} does not exist")
         bad = [m for m in self.modes if m not in MODE_NAMES]
         if bad:
             raise InvalidParameterError(f"unknown mode(s) {', '.join(bad)}; choose from {', '.join(MODE_NAMES)}")
@@ -107,8 +114,7 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
         for mode in cfg.modes:
             for e in filter(None, engines.values()):
                 e.prepare(mode)
-        if cfg.peers:
-            peers = [Peer(name, engine.target_path, cfg.n_ctx, threads) for name in PEERS]
+        peers = [Peer(name, engine.target_path, cfg.n_ctx, threads, cfg.peer_python) for name in cfg.peers]
         # ar:tuned differs from ar only when the tuned choice runs another weight format
         other_format = tuned is not None and tuned.target_path != engine.target_path
         methods = (list(cfg.modes) + [f"{m}:tuned" for m in cfg.modes if tuned and (m != "ar" or other_format)]
@@ -135,7 +141,7 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
         bar = Progress(len(prompts) * len(methods), quiet)
         runs = []
         for i, prompt in enumerate(prompts):
-            tokens = engine.tokens_for(prompt.text, True)
+            tokens = prompt_tokens(engine, prompt)
             order = methods[i % len(methods):] + methods[: i % len(methods)]
             for position, method in enumerate(order):
                 r = run_one(method, tokens)
@@ -166,6 +172,19 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
             p.close()
         for e in filter(None, engines.values()):
             e.close()
+
+
+def prompt_tokens(engine: Engine, prompt: Prompt, earlier_max_tokens: int = 512) -> list[int]:
+    """A prompt's tokens in the chat template. A multi-turn row's earlier answers are the
+    target's own greedy ones (`ar`, untimed), so every method continues the same conversation."""
+    if not prompt.turns:
+        return engine.tokens_for(prompt.text, True)
+    messages: list[dict] = []
+    for turn in prompt.turns[:-1]:
+        messages.append({"role": "user", "content": turn})
+        answer = engine.generate(engine.chat_prompt(messages), mode="ar", max_tokens=earlier_max_tokens)
+        messages.append({"role": "assistant", "content": answer.text})
+    return engine.chat_prompt(messages + [{"role": "user", "content": prompt.turns[-1]}])
 
 
 def engine_pair_name(pair: str | None) -> str:

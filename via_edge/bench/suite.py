@@ -10,56 +10,61 @@ from pathlib import Path
 from ..errors import InvalidParameterError
 
 SPEC_BENCH = "spec-bench"
+EDIT = "edit"
+PACKAGED = {SPEC_BENCH: "spec_bench/question.jsonl", EDIT: "edit/prompts.jsonl"}  # under via_edge/data
 
 
 @dataclass(frozen=True)
 class Prompt:
     id: str
     category: str
-    text: str
+    text: str                      # the (last) user message
+    turns: tuple[str, ...] = ()    # a multi-turn row's user messages, `text` the last of them
 
 
-def _spec_bench_rows() -> list[dict]:
-    path = files("via_edge") / "data" / "spec_bench" / "question.jsonl"
+def packaged_rows(suite: str) -> list[dict]:
+    """The rows of a suite shipped with the package: Spec-Bench (Apache-2.0, data/spec_bench) or
+    the code-edit prompts made from CPython's standard library (PSF licence, data/edit)."""
+    path = files("via_edge") / "data" / PACKAGED[suite]
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def spec_bench_categories() -> list[str]:
-    seen: list[str] = []
-    for row in _spec_bench_rows():
-        if row["category"] not in seen:
-            seen.append(row["category"])
-    return seen
+def _file_rows(suite: str) -> list[dict]:
+    path = Path(suite)
+    try:
+        lines = path.read_text().splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidParameterError(f"cannot read prompt file {path}: {exc}") from exc
+    except ValueError as exc:
+        raise InvalidParameterError(f"prompt file {path} is not JSONL: {exc}") from exc
+
+
+def to_prompt(row: dict, i: int, suite: str = "") -> Prompt:
+    """A row with `prompt`, or `turns` (the first turn, or every turn when `multi_turn`)."""
+    if not isinstance(row, dict):
+        raise InvalidParameterError(f"{suite}: row {i + 1} is not a JSON object")
+    turns = row.get("turns") or []
+    text = row.get("prompt") or (turns[-1] if row.get("multi_turn") else (turns or [None])[0])
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidParameterError(f"{suite}: row {i + 1} has no 'prompt' or 'turns'")
+    return Prompt(str(row.get("question_id", row.get("id", i + 1))), row.get("category", "default"), text,
+                  tuple(turns) if row.get("multi_turn") else ())
 
 
 def load_prompts(suite: str, categories: list[str] | None, per_category: int) -> list[Prompt]:
     """A fixed subset: the first `per_category` prompts of each category in file order.
 
-    `suite` is `spec-bench` or a JSONL file whose rows hold `prompt` or `turns` (first turn used),
-    optionally `category` and `id`.
+    `suite` is a comma-separated list of packaged suites (`spec-bench`, `edit`) and JSONL files
+    whose rows hold `prompt` or `turns` (the first turn, or all with `multi_turn`), optionally
+    `category` and `id`.
     """
     if per_category < 1:
         raise InvalidParameterError("--per-category must be at least 1")
-    if suite == SPEC_BENCH:
-        rows = _spec_bench_rows()
-    else:
-        path = Path(suite)
-        try:
-            lines = path.read_text().splitlines()
-            rows = [json.loads(line) for line in lines if line.strip()]
-        except (OSError, UnicodeDecodeError) as exc:
-            raise InvalidParameterError(f"cannot read prompt file {path}: {exc}") from exc
-        except ValueError as exc:
-            raise InvalidParameterError(f"prompt file {path} is not JSONL: {exc}") from exc
     prompts: list[Prompt] = []
-    for i, row in enumerate(rows):
-        if not isinstance(row, dict):
-            raise InvalidParameterError(f"{suite}: row {i + 1} is not a JSON object")
-        text = row.get("prompt") or (row.get("turns") or [None])[0]
-        if not isinstance(text, str) or not text.strip():
-            raise InvalidParameterError(f"{suite}: row {i + 1} has no 'prompt' or 'turns'")
-        prompts.append(Prompt(str(row.get("question_id", row.get("id", i + 1))), row.get("category", "default"),
-                              text))
+    for name in [x.strip() for x in suite.split(",") if x.strip()]:
+        rows = packaged_rows(name) if name in PACKAGED else _file_rows(name)
+        prompts += [to_prompt(row, i, name) for i, row in enumerate(rows)]
     known = list(dict.fromkeys(p.category for p in prompts))
     wanted = categories or known
     unknown = [c for c in wanted if c not in known]

@@ -10,10 +10,10 @@ from typing import Callable, Iterable, Sequence
 
 from ..bench.metrics import geomean
 from ..decoding import SpecParams
-from ..drafters import PromptLookupDrafter
 from ..modes import LOSSLESS
 from .record import SlimTrace, Trace
-from .replay import predicted_agreement, replay
+from ..drafters import CopyDrafter
+from .replay import copy_policy, predicted_agreement, replay
 
 
 @dataclass
@@ -42,7 +42,7 @@ class Candidate:
         if self.mode == "hier":
             knobs.update(tau_full=s.tau_full, hier_block=s.hier_block)
         if self.mode == "lookup":
-            knobs = {"n_draft": s.n_draft}
+            knobs = {"copy_max": s.copy_max, "ngram_min": s.ngram_min}
         if self.mode == "ar":
             knobs = {}
         parts = [f"{k} {v}" for k, v in knobs.items() if v != getattr(d, k) or k == "n_draft"]
@@ -58,8 +58,9 @@ class Candidate:
 def grid(slims: Sequence[str]) -> Iterable[tuple[str, SpecParams, str | None]]:
     """Every configuration the tuner predicts (about 800; a replay of all takes seconds)."""
     yield "ar", SpecParams(), None
+    for copy_max, ngram_min in itertools.product((8, 16, 32), (1, 2)):
+        yield "lookup", SpecParams(copy_max=copy_max, ngram_min=ngram_min), None
     for n in (1, 2, 3, 4, 6, 7, 8, 15):  # 3, 7, 15: verification batches of 4, 8 and 16 rows (kernel blocks)
-        yield "lookup", SpecParams(n_draft=n), None
         for p_min in (0.0, 0.5, 0.7, 0.9):
             yield "sd", SpecParams(n_draft=n, p_min=p_min), None
     for slim in slims:
@@ -73,16 +74,16 @@ def grid(slims: Sequence[str]) -> Iterable[tuple[str, SpecParams, str | None]]:
 
 def predict(traces: Sequence[Trace], slim_traces: dict[str, list[SlimTrace]], slim_model: dict[str, str],
             cost: Callable[[str, int, int], float], eog: Sequence[int], out_length: int,
-            n_vocab: int, configs: Iterable[tuple[str, SpecParams, str | None]], *, fmt: str = "shipped",
+            configs: Iterable[tuple[str, SpecParams, str | None]], *, fmt: str = "shipped",
             baseline: Callable[[str, int, int], float] | None = None) -> list[Candidate]:
     """Replay every configuration on every trace, as ratios to `ar` on the same trace; `ar`
     priced by `baseline` (default `cost`), the shipped format's costs when `fmt` is a variant."""
     ar_seconds = [replay(t, None, "ar", SpecParams(), baseline or cost, eog).seconds for t in traces]
-    lookup = PromptLookupDrafter(n_vocab)
     out = []
     for mode, spec, slim in configs:
+        lookup = CopyDrafter(copy_policy(cost)) if mode == "lookup" else None  # learns over the traces
         runs = [replay(t, slim_traces[slim][i] if slim else None, mode, spec, cost, eog,
-                       slim_model=slim_model.get(slim, "slim"), lookup=lookup if mode == "lookup" else None)
+                       slim_model=slim_model.get(slim, "slim"), lookup=lookup)
                 for i, t in enumerate(traces)]
         tokens = sum(len(r.tokens) for r in runs)
         seconds = sum(r.seconds for r in runs)

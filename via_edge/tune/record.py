@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..bench.suite import Prompt, _spec_bench_rows
+from ..bench.suite import EDIT, SPEC_BENCH, Prompt, packaged_rows, to_prompt
 from ..llama import LlamaModel
 from ..quality import greedy_continuations
 
@@ -37,16 +37,17 @@ class SlimTrace:
 
 
 def calibration_prompts(per_category: int = 1, skip: int = 0, max_words: int = 220) -> list[Prompt]:
-    """Spec-Bench prompts taken from the end of each category, disjoint from `via-edge bench`,
-    which takes them from the start. `skip` steps past the ones an earlier call took (held-out
-    prompts); prompts over `max_words` words are passed over to keep tuning quick.
+    """Spec-Bench prompts and code edits (data/edit) taken from the end of each category;
+    `via-edge bench` takes them from the start. `skip` steps past the ones an earlier call took
+    (held-out prompts); Spec-Bench prompts over `max_words` words are passed over to keep tuning
+    quick (an edit's length is its point: it carries the file to copy).
     """
-    rows = _spec_bench_rows()
-    cats = list(dict.fromkeys(r["category"] for r in rows))
+    rows = packaged_rows(SPEC_BENCH) + [r for r in packaged_rows(EDIT) if not r.get("multi_turn")]
+    prompts = [to_prompt(r, i) for i, r in enumerate(rows)]
     out = []
-    for cat in cats:
-        mine = [r for r in rows if r["category"] == cat and len(r["turns"][0].split()) <= max_words][::-1]
-        out += [Prompt(str(r["question_id"]), cat, r["turns"][0]) for r in mine[skip:skip + per_category]]
+    for cat in dict.fromkeys(p.category for p in prompts):
+        mine = [p for p in prompts if p.category == cat and (cat == "edit" or len(p.text.split()) <= max_words)]
+        out += mine[::-1][skip:skip + per_category]
     return out
 
 

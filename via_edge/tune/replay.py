@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from ..decoding import Decoder, SpecParams
-from ..drafters import ModelDrafter, PromptLookupDrafter
+from ..drafters import CopyDrafter, CopyPolicy, ModelDrafter
 from ..llama import common_prefix, reuse_point
 from ..modes import Origin, Tier, mode_info
 from ..sampling import SamplingParams
@@ -145,8 +145,10 @@ class Replayed:
 
 
 def replay(trace: Trace, slim: SlimTrace | None, mode: str, spec: SpecParams, cost: Cost, eog: Sequence[int],
-           slim_model: str = "slim", n_ctx: int = 4096, lookup: PromptLookupDrafter | None = None) -> Replayed:
-    """Run `Decoder` on one trace under one configuration (greedy), priced by `cost`."""
+           slim_model: str = "slim", n_ctx: int = 4096, lookup: CopyDrafter | None = None) -> Replayed:
+    """Run `Decoder` on one trace under one configuration (greedy), priced by `cost`. `lookup`
+    mode drafts with `lookup` (its policy's counts carry over between calls, as a slot's do in
+    the engine), else with a fresh copy drafter pricing batches by `cost`."""
     info = mode_info(mode)
     target_tokens = [int(t) for t in trace.target]
     seq = list(trace.prompt) + target_tokens
@@ -159,7 +161,7 @@ def replay(trace: Trace, slim: SlimTrace | None, mode: str, spec: SpecParams, co
     target = model("target", "target", target_tokens, np.zeros(len(target_tokens)))
     drafter = None
     if info.drafter == "lookup":
-        drafter = lookup or PromptLookupDrafter(1)
+        drafter = lookup or CopyDrafter(copy_policy(cost))
     elif info.drafter == "model":
         drafter = ModelDrafter(model("draft", "draft", trace.draft, trace.draft_p))
     slim_m = model("slim", slim_model, slim.top, slim.ratio) if info.slim and slim is not None else None
@@ -181,6 +183,11 @@ def replay(trace: Trace, slim: SlimTrace | None, mode: str, spec: SpecParams, co
     out.rounds, out.draft_n = stats.rounds, stats.draft_n
     out.seconds, out.calls, out.guesses = meter.seconds, dict(meter.calls), meter.guesses
     return out
+
+
+def copy_policy(cost: Cost, ctx: int = 384) -> CopyPolicy:
+    """A copy policy pricing verifications with the target's row of the cost profile."""
+    return CopyPolicy(lambda n: cost("target", n, ctx) / cost("target", 1, ctx))
 
 
 def predicted_agreement(error_rate: float, length: int) -> float:

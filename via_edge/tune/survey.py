@@ -6,14 +6,19 @@ then replays every mode on each format that clears the quality floor.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from .. import formats
 from ..errors import InvalidParameterError
 from ..llama import LlamaModel, LoadParams
+from ..files import write_json
+from ..machine import build
+from ..models import model_dir, sha256_cached
 from ..quality import Quality, compare, greedy_continuations
 from . import profile as prof
 
@@ -68,20 +73,17 @@ def survey(sources: Mapping[str, Path], names: Sequence[str], prompts: Sequence[
              for role, src in sources.items() for n in names}
     rows = {role: [FormatRow(role, n, paths[(role, n)], paths[(role, n)].stat().st_size) for n in names]
             for role in sources}
+    for role in sources:
+        t0 = time.monotonic()
+        found = qualities(sources[role], {n: paths[(role, n)] for n in names if n != formats.SHIPPED}, prompts,
+                          continuation, load)
+        for r in rows[role]:
+            r.quality = found.get(r.format)
+        log(f"quality of the {role}'s {len(found)} variants in {time.monotonic() - t0:.0f}s")
     opened: dict[str, LlamaModel] = {}
     try:
         for (role, n), path in paths.items():
             opened[f"{role}/{n}"] = LlamaModel(path, load)
-        for role in sources:
-            source = opened[f"{role}/{formats.SHIPPED}"]
-            t0 = time.monotonic()
-            conts = greedy_continuations(source, prompts, continuation)
-            variants = {n: opened[f"{role}/{n}"] for n in names if n != formats.SHIPPED}
-            found = compare(source, variants, prompts, conts)
-            for r in rows[role]:
-                r.quality = found.get(r.format)
-            log(f"quality of the {role}'s {len(variants)} variants on {sum(map(len, conts))} positions "
-                f"in {time.monotonic() - t0:.0f}s")
         fill = [t for p in prompts for t in p]
         t0 = time.monotonic()
         profile = prof.measure(opened, fill, batches=batches, contexts=(SURVEY_CONTEXT,), repeats=repeats)
@@ -93,6 +95,53 @@ def survey(sources: Mapping[str, Path], names: Sequence[str], prompts: Sequence[
         for r in rows[role]:
             r.cost = {n: profile.cost(f"{role}/{r.format}", n, SURVEY_CONTEXT) for n in batches}
     return rows
+
+
+def qualities(source: Path, variants: Mapping[str, Path], prompts: Sequence[list[int]], continuation: int,
+              load: LoadParams) -> dict[str, Quality]:
+    """Each variant's quality against its source, cached per (source SHA-256, format, prompts,
+    continuation, kernels): the figures depend on the weights and the kernels that run them, not
+    on the machine, so a re-tune or another machine with the same build reuses them.
+
+    The reference is the source on plain kernels (no extra buffer types), so whatever the fast
+    kernels a variant runs on change (AMX, repacking) counts against the quality floor.
+    """
+    kernels = f"{build()['flavor']}-{'extra' if load.resolved_extra_bufts() else 'plain'}"
+    digest = hashlib.sha256(json.dumps([list(map(int, p)) for p in prompts] + [continuation, kernels]).encode())
+    sha = sha256_cached(source)
+
+    def cache_path(name: str) -> Path:
+        return model_dir() / "quality" / f"{sha[:16]}--{name}--{digest.hexdigest()[:12]}.json"
+
+    out: dict[str, Quality] = {}
+    for name in variants:
+        try:
+            out[name] = Quality(**json.loads(cache_path(name).read_text())["quality"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    todo = {n: p for n, p in variants.items() if n not in out}
+    if not todo:
+        return out
+    opened: dict[str, LlamaModel] = {}
+    try:
+        reference = LlamaModel(source, replace(load, use_extra_bufts=False))
+        opened["source"] = reference
+        for name, path in todo.items():
+            opened[name] = LlamaModel(path, load)
+        conts = greedy_continuations(reference, prompts, continuation)
+        found = compare(reference, {n: opened[n] for n in todo}, prompts, conts)
+    finally:
+        for m in opened.values():
+            m.close()
+    for name, q in found.items():
+        out[name] = q
+        try:
+            write_json(cache_path(name), {"source": source.name, "format": name, "kernels": kernels,
+                                          "continuation": continuation, "prompts": len(prompts),
+                                          "quality": {k: v for k, v in q.to_dict().items() if k != "ppl_ratio"}})
+        except OSError:
+            pass  # a read-only model directory: measured again next time
+    return out
 
 
 def table(rows: Mapping[str, Sequence[FormatRow]], floor: float) -> str:

@@ -61,7 +61,7 @@ class TuneConfig:
     batches: tuple[int, ...] = prof.BATCHES
     n_ctx: int = 4096
     threads: int | None = None
-    formats: tuple[str, ...] = formats.FORMAT_NAMES  # weight formats tried (shipped always)
+    formats: tuple[str, ...] = field(default_factory=formats.default_formats)  # tried (shipped always)
     quality_floor: float = QUALITY_FLOOR  # a format's teacher-forced agreement with the shipped file
     load: dict = field(default_factory=dict)  # extra LoadParams (tests: exact kernels)
     out: Path | None = None        # report folder (default: next to the tuned files)
@@ -127,7 +127,6 @@ def tune(cfg: TuneConfig, quiet: bool = False) -> dict:
     with LlamaModel(target_path, load) as target, LlamaModel(draft_path, load) as draft:
         n_blocks = target.n_layer
         eog = [t for t in range(target.n_vocab) if target.is_eog(t)]
-        n_vocab = target.n_vocab
 
         # 1. cost profile --------------------------------------------------------------------------
         t0 = time.monotonic()
@@ -202,14 +201,14 @@ def tune(cfg: TuneConfig, quiet: bool = False) -> dict:
 
     # 4. predict and choose ------------------------------------------------------------------------
     t0 = time.monotonic()
-    cands = predict(traces, slim_data, slim_model, profile.cost, eog, cfg.out_length, n_vocab, grid(list(slim_data)))
+    cands = predict(traces, slim_data, slim_model, profile.cost, eog, cfg.out_length, grid(list(slim_data)))
     best = best_per_mode(cands, cfg.fidelity_floor)
     # the engine loads one slim: the one of the faster slim mode; the other mode is tuned for it too
     slim_modes = [best[m] for m in ("via", "hier") if m in best]
     slim_layers = max(slim_modes, key=lambda c: c.speedup).slim if slim_modes else None
     usable = [c for c in cands if c.slim in (None, slim_layers)]
     for fmt, ratio in ratios.items():  # every mode again on each passing format, with the chosen slim
-        usable += predict(traces, slim_data, slim_model, profile.scaled(ratio), eog, cfg.out_length, n_vocab,
+        usable += predict(traces, slim_data, slim_model, profile.scaled(ratio), eog, cfg.out_length,
                           grid([slim_layers] if slim_layers else []), fmt=fmt, baseline=profile.cost)
     baseline = next(c for c in cands if c.mode == "ar")
     best = best_per_mode(usable, cfg.fidelity_floor)

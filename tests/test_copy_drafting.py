@@ -1,0 +1,173 @@
+"""The copy-aware drafter (`lookup`): its index, alignment and length policy on constructed
+contexts, and lossless decoding with it on real models."""
+
+import numpy as np
+import pytest
+
+from conftest import EXACT
+from via_edge import Engine, SpecParams
+from via_edge.drafters import NGRAM_LIMIT, CopyDrafter, CopyPolicy, NgramIndex
+from via_edge.errors import InvalidParameterError
+from via_edge.sampling import SamplingParams
+
+GREEDY = SamplingParams()
+FREE = SpecParams()  # default knobs: copy_max 32, ngram 1..12
+SOURCE = list(range(100, 160))  # 60 distinct tokens: a "file" in the prompt
+
+
+def free_policy() -> CopyPolicy:
+    """Verification costs nothing extra per token: the policy drafts as far as the copy goes."""
+    return CopyPolicy(lambda n: 1.0)
+
+
+def propose(drafter, context, k=32, spec=FREE):
+    return drafter.propose(context, k, GREEDY, None, spec).tokens
+
+
+def test_index_built_incrementally_equals_one_built_from_scratch():
+    rng = np.random.default_rng(0)
+    tokens = list(rng.integers(0, 12, size=400))  # small alphabet: many repeated n-grams
+    grown = NgramIndex(tokens[:7])
+    for t in tokens[7:250]:
+        grown.append(t)
+    grown.extend(tokens[250:])
+    fresh = NgramIndex(tokens)
+    assert grown.snapshot() == fresh.snapshot()
+    assert grown.tokens == tokens
+    # and what it answers is the latest earlier occurrence of the longest suffix
+    n, at = fresh.longest_match(NGRAM_LIMIT)
+    suffix = tokens[-n:]
+    starts = [i for i in range(len(tokens) - n) if tokens[i:i + n] == suffix]
+    assert at == starts[-1] + n
+    assert tokens[-n - 1:] not in [tokens[i:i + n + 1] for i in range(len(tokens) - n - 1)]  # n is the longest
+
+
+def test_a_copy_continues_across_rounds():
+    """After a fully accepted draft the copy goes on from where it left off, even where a fresh
+    search for the context's end would pick another, later occurrence (the distractor)."""
+    drafter = CopyDrafter(free_policy())
+    spec = SpecParams(ngram_max=4)
+    distractor = SOURCE[10:14] + [77, 78, 79]
+    prompt = SOURCE + [3] + distractor + [4]
+    ctx = prompt + SOURCE[:5]  # the answer starts copying the source
+    assert propose(drafter, ctx, k=8, spec=spec) == SOURCE[5:13]
+    ctx += SOURCE[5:13] + [SOURCE[13]]  # all 8 accepted, and the target's own token continues the copy
+    assert NgramIndex(ctx).longest_match(4)[1] == len(SOURCE) + 1 + 4  # a fresh search: the distractor
+    assert propose(drafter, ctx, k=8, spec=spec) == SOURCE[14:22]
+    assert drafter.src == 14 and drafter.run == 4 + 9  # anchored on 4 tokens, then 9 copied
+
+
+def test_a_rejection_re_anchors_on_the_longest_match():
+    drafter = CopyDrafter(free_policy())
+    other = [7, 8, 9, 101, 102, 55]  # an earlier, shorter occurrence of 101, 102
+    prompt = other + SOURCE + [3]
+    ctx = prompt + SOURCE[:10]
+    assert propose(drafter, ctx, k=6) == SOURCE[10:16]
+    # the target accepts 2, then writes an edit of its own (two new tokens), then resumes the source
+    ctx += SOURCE[10:12] + [900, 901] + SOURCE[12:15]
+    assert propose(drafter, ctx, k=6) == SOURCE[15:21]
+    assert drafter.run == 3  # re-anchored on the 3-token suffix, the longest earlier occurrence
+    # with a shorter suffix only, the latest earlier occurrence wins
+    d2 = CopyDrafter(free_policy())
+    assert propose(d2, [5, 6, 101, 102, 7, 101, 102, 8, 101], k=3) == [102, 8, 101]
+
+
+def test_no_match_proposes_nothing():
+    drafter = CopyDrafter(free_policy())
+    assert propose(drafter, list(range(50))) == []  # no token repeats
+    assert propose(drafter, list(range(50)) + [3], spec=SpecParams(ngram_min=2)) == []  # only a 1-gram repeats
+    assert propose(drafter, list(range(50)) + [3]) == [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18,
+                                                       19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31,
+                                                       32, 33, 34, 35]
+
+
+def test_a_context_that_does_not_extend_the_last_is_indexed_anew():
+    drafter = CopyDrafter(free_policy())
+    assert propose(drafter, SOURCE + SOURCE[:3], k=4) == SOURCE[3:7]
+    fresh = CopyDrafter(free_policy())
+    other = [1, 2, 3, 1, 2]
+    assert propose(drafter, other, k=4) == propose(fresh, other, k=4) == [3, 1, 2]
+    assert drafter.index.snapshot() == NgramIndex(other).snapshot()
+
+
+def test_policy_drafts_long_on_reliable_copies_and_abstains_on_costly_short_ones():
+    flat = CopyPolicy(lambda n: 1.0 + 0.05 * (n - 1))   # batches nearly free (AMX-like at small n)
+    mid = CopyPolicy(lambda n: 1.0 + 0.25 * (n - 1))
+    steep = CopyPolicy(lambda n: float(n))               # every drafted token costs a full step
+    assert steep.length(run=40, k_max=32) == 0           # a copy can never pay when tokens cost n steps
+    assert mid.length(run=1, k_max=32) == 0              # a one-token match has not earned a draft
+    assert flat.length(run=40, k_max=32) > mid.length(run=40, k_max=32) > mid.length(run=4, k_max=32) > 0
+    for _ in range(10):                                  # a copy that has held for 32 tokens at a time
+        mid.observe(run=40, drafted=32, accepted=32)
+    assert mid.length(run=40, k_max=32) == 32
+    assert mid.length(run=40, k_max=5) == 5              # never past the cap
+
+
+def test_policy_learns_from_rejections():
+    policy = CopyPolicy(lambda n: 1.0 + 0.25 * (n - 1))
+    before = policy.length(run=8, k_max=32)
+    assert before > 0
+    for _ in range(40):
+        policy.observe(run=8, drafted=before, accepted=0)  # this kind of copy is always rejected
+    assert policy.p_accept(8) < 0.1
+    assert policy.length(run=8, k_max=32) == 0
+    for _ in range(40):
+        policy.observe(run=8, drafted=8, accepted=8)  # and now it always holds again
+    assert policy.length(run=8, k_max=32) > 0
+
+
+def test_drafter_feeds_the_policy_what_the_target_accepted():
+    policy = free_policy()
+    drafter = CopyDrafter(policy)
+    ctx = SOURCE + [1] + SOURCE[:4]
+    drafted = propose(drafter, ctx, k=6)
+    before = [list(c) for c in policy.counts]
+    propose(drafter, ctx + drafted[:2] + [999])  # 2 accepted, then a correction
+    changed = [(i, [round(x - y, 6) for x, y in zip(a, b)]) for i, (a, b) in enumerate(zip(policy.counts, before))
+               if a != b]
+    accepted = sum(d[0] for _, d in changed)
+    rejected = sum(d[1] for _, d in changed)
+    assert (accepted, rejected) == (2, 1)
+
+
+@pytest.mark.parametrize("kw", [dict(copy_max=0), dict(copy_max=65), dict(ngram_min=0),
+                                dict(ngram_max=NGRAM_LIMIT + 1), dict(ngram_min=5, ngram_max=4)])
+def test_bad_knobs_are_one_clear_error(kw):
+    with pytest.raises(InvalidParameterError, match="copy_max|ngram"):
+        SpecParams(**kw)
+
+
+# ---- on real models --------------------------------------------------------------------------
+COPY_PROMPT = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+               "def mul(a, b):\n    return a * b\n\n")
+
+
+def test_greedy_lookup_equals_ar_on_a_mostly_copied_prompt_tiny(tiny_target):
+    """Tiny F32 model: its output from a prompt that repeats itself copies the prompt, so drafts
+    of many tokens are accepted and rejected; every token stays the target's."""
+    with Engine(tiny_target, **EXACT) as engine:
+        prompt = " the cat is here and the cat is" * 6
+        for copy_max in (1, 4, 32):
+            ar = engine.generate(prompt, mode="ar", max_tokens=80, chat_template=False)
+            engine.prepare("lookup")
+            engine.models.batch_cost = lambda n: 1.0  # draft as far as the policy sees a copy
+            res = engine.generate(prompt, mode="lookup", max_tokens=80, chat_template=False,
+                                  spec=SpecParams(copy_max=copy_max))
+            assert res.tokens == ar.tokens, copy_max
+            assert res.stats.draft_n > 0
+            if copy_max == 32:
+                assert res.stats.copied_tokens > 0 and res.stats.rejected > 0
+                assert res.stats.copied_tokens == res.origins.count("copy") == res.stats.draft_n_accepted
+
+
+@pytest.mark.integration
+def test_greedy_lookup_equals_ar_on_smollm2_edit(smollm2):
+    """SmolLM2 with exact kernels, asked to repeat code it was given: most of the answer is
+    copied, and the output is the target's token for token."""
+    with Engine(smollm2, n_ctx=1024, use_extra_bufts=False) as engine:
+        ask = "Repeat this code exactly, adding a one-line comment above each function:\n\n" + COPY_PROMPT
+        ar = engine.generate(ask, mode="ar", max_tokens=64)
+        res = engine.generate(ask, mode="lookup", max_tokens=64)
+        assert res.tokens == ar.tokens
+        assert res.stats.copied_tokens >= 10
+        assert res.stats.rounds < len(res.tokens)  # fewer target calls than tokens

@@ -1,0 +1,67 @@
+"""What one target verification costs by batch size on this machine: the price the copy policy
+(drafters.CopyPolicy) weighs draft length against.
+
+Measured once per model file, machine (CPU and llama.cpp build) and thread count, with the cost
+profile's own interleaved timing (tune/profile.py), and kept next to the tuned choices, so a
+first `lookup` run pays a few seconds and later ones nothing. Where the model directory is not
+writable the figures are kept for the process only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from importlib.resources import files
+from typing import Callable
+
+import numpy as np
+
+from .files import write_json
+from .llama import LlamaModel
+from .machine import machine_key
+from .models import model_dir, sha256_cached
+
+BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 33)  # 33: a 32-token draft and the target's own token
+CONTEXT = 256
+log = logging.getLogger("via_edge.costs")
+
+
+def _path(model: LlamaModel):
+    threads = model.params.n_threads or "auto"
+    return model_dir() / "tuned" / (f"batch-cost--{sha256_cached(model.path)[:16]}--{machine_key()}"
+                                    f"--t{threads}.json")
+
+
+def measure(model: LlamaModel, repeats: int = 3) -> dict[int, float]:
+    """Median seconds of one decode of n tokens after CONTEXT tokens, for n in BATCHES."""
+    from .tune.profile import measure as profile
+
+    text = (files("via_edge") / "data" / "perplexity" / "textwrap.py.txt").read_text()
+    fill = model.tokenize(text, add_special=False)
+    table = profile({"target": model}, fill, batches=BATCHES, contexts=(CONTEXT,), repeats=repeats)
+    model.reset()
+    return dict(zip(BATCHES, table.table["target"][0]))
+
+
+def batch_cost(model: LlamaModel) -> Callable[[int], float]:
+    """cost(n): one verification of n tokens in single decoding steps (cost(1) == 1), from the
+    stored measurement of this model here, measuring it first if there is none."""
+    path = _path(model)
+    try:
+        seconds = {int(n): float(s) for n, s in json.loads(path.read_text())["seconds"].items()}
+    except (OSError, ValueError, KeyError):
+        seconds = measure(model)
+        try:
+            write_json(path, {"model": model.path.name, "context": CONTEXT,
+                              "seconds": {str(n): s for n, s in seconds.items()}})
+        except OSError as exc:
+            log.info("batch costs not stored (%s); measured again next time", exc)
+    ns = sorted(seconds)
+    rel = [seconds[n] / seconds[1] for n in ns]
+    slope = (rel[-1] - rel[-2]) / (ns[-1] - ns[-2])
+
+    def cost(n: int) -> float:
+        if n > ns[-1]:
+            return rel[-1] + slope * (n - ns[-1])
+        return float(np.interp(n, ns, rel))
+    return cost
