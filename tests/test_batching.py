@@ -76,9 +76,9 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_running_generations(tiny_di
     path = make_tiny_gguf(tiny_dir / "long.gguf", arch="qwen2", blocks=4, seed=9, context_length=2048)
     long_prompt = [(7 * i) % 200 + 3 for i in range(700)]
     prompts = [PROMPTS[0], long_prompt, PROMPTS[1]]
-    with Engine(path, **{**KW, "n_ctx": 1024}) as one:
+    with Engine(path, mode="ar", **{**KW, "n_ctx": 1024}) as one:
         alone = [one.generate(p, max_tokens=16, chat_template=False).tokens for p in prompts]
-    with Engine(path, n_parallel=3, **{**KW, "n_ctx": 3 * 1024}) as three:
+    with Engine(path, mode="ar", n_parallel=3, **{**KW, "n_ctx": 3 * 1024}) as three:
         assert [r.tokens for r in three.generate_batch(prompts, max_tokens=16, chat_template=False)] == alone
         assert three.target.usage.tokens <= sum(len(p) + 16 for p in prompts)  # nothing decoded twice
 

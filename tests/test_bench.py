@@ -35,6 +35,31 @@ def test_spec_bench_selection_is_fixed():
     assert len(load_prompts("spec-bench", None, 1)) == 13
 
 
+def test_edit_suite_is_real_code_with_one_instruction_each():
+    rows = packaged_rows("edit")
+    edits = [r for r in rows if r["category"] == "edit"]
+    assert len(edits) >= 12 and all(60 <= r["lines"] <= 200 for r in edits)
+    assert {r["kind"] for r in edits} == {"rename", "type-hints", "docstrings", "bug", "dataclass", "logging"}
+    for r in edits:  # the whole module is in the prompt, as the file the answer rewrites
+        assert r["prompt"].count("```python") == 2 and "Return the whole edited file" in r["prompt"]
+    bugs = {r["source"]: r["prompt"] for r in edits if r["kind"] == "bug"}
+    assert "s1.st_ino == s2.st_dev" in bugs["Lib/genericpath.py"]  # the seeded bug is there to fix
+
+
+def test_suites_combine_and_multi_turn_rows_continue_the_targets_conversation(tiny_engine):
+    from via_edge.bench.runner import prompt_tokens
+
+    both = load_prompts("spec-bench,edit", ["coding", "edit", "edit-chat"], 1)
+    assert [p.category for p in both] == ["coding", "edit", "edit-chat"]
+    chat = both[2]
+    assert len(chat.turns) == 2 and chat.text == chat.turns[1]
+    got = prompt_tokens(tiny_engine, chat, earlier_max_tokens=6)
+    first = [{"role": "user", "content": chat.turns[0]}]
+    answer = tiny_engine.generate(tiny_engine.chat_prompt(first), mode="ar", max_tokens=6).text
+    assert answer and got == tiny_engine.chat_prompt(
+        first + [{"role": "assistant", "content": answer}, {"role": "user", "content": chat.turns[1]}])
+
+
 def test_user_prompt_files(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "one"}\n{"turns": ["two", "ignored"], "category": "c"}\n')
@@ -134,3 +159,24 @@ def test_load_benchmark_compares_parallel_with_one_at_a_time(tiny_target, tmp_pa
     written = {p.name for p in L.write_load(results, tmp_path)}
     assert {"load.json", "load.md"} <= written
     assert "| parallel 2 | 3 |" in (tmp_path / "load.md").read_text()
+
+
+@pytest.mark.integration
+def test_a_peer_in_another_python_answers_as_one_in_process(smollm2):
+    """`--peer-python`: llama-cpp-python's Llama in a child process (here the same environment,
+    so the same build) gives the tokens the in-process peer gives, and stops at max_tokens."""
+    from via_edge.bench.peers import Peer
+    from via_edge.llama import LlamaModel, LoadParams
+
+    with LlamaModel(smollm2, LoadParams(n_ctx=256)) as m:
+        tokens = m.tokenize("def fib(n):")
+        is_eog = {t for t in range(m.n_vocab) if m.is_eog(t)}.__contains__
+    local = Peer("llama-cpp-python", smollm2, 512, 2)
+    child = Peer("llama-cpp-python", smollm2, 512, 2, python=sys.executable)
+    try:
+        a, b = local.run(tokens, 12, is_eog), child.run(tokens, 12, is_eog)
+    finally:
+        local.close()
+        child.close()
+    assert len(a["tokens"]) == 12 and a["tokens"] == b["tokens"]
+    assert b["gen_s"] > 0 and b["tok_s"] > 0

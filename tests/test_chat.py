@@ -15,7 +15,7 @@ def spawn(*args, timeout=60):
 
 def test_two_turns_stats_mode_and_history(tiny_target):
     child = spawn("--target", tiny_target, "--draft-layers", "0-1", "--slim-layers", "0-2", "--exact", "--kv-type", "f32",
-                  "--no-flash-attn", "--ctx", "96", "-n", "24", "--show-tiers")
+                  "--no-flash-attn", "--ctx", "96", "-n", "24", "--show-tiers", "--mode", "sd")
     child.sendline("hello there")
     child.expect("\033\\[(32|34)m")  # coloured by origin
     child.expect_exact("> ")

@@ -106,7 +106,7 @@ def test_long_prompts_from_stdin_and_file(tiny_target, tmp_path):
 
 def test_help_keeps_the_tuned_default_notes():
     out = " ".join(cli("generate", "--help").stdout.replace("│", " ").split())  # the help box's borders out
-    for note in ("(default: tuned, else ar)", "(default: tuned, else 6)", "(default: tuned, else 0.9)",
+    for note in ("(default: tuned, else lookup)", "(default: tuned, else 6)", "(default: tuned, else 0.9)",
                  "(default: tuned, else the catalog's)"):
         assert note in out, note
 

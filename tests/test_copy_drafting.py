@@ -171,3 +171,22 @@ def test_greedy_lookup_equals_ar_on_smollm2_edit(smollm2):
         assert res.tokens == ar.tokens
         assert res.stats.copied_tokens >= 10
         assert res.stats.rounds < len(res.tokens)  # fewer target calls than tokens
+
+
+@pytest.mark.integration
+def test_chat_colours_copied_tokens_and_counts_them(smollm2):
+    """A second turn that asks to change the first turn's code copies from the history: the
+    copied tokens come out cyan and /stats counts them."""
+    import io
+
+    from via_edge.chat import COLOURS, ChatSession
+    from via_edge.modes import COPY
+
+    with Engine(smollm2, n_ctx=2048, mode="lookup") as engine:
+        out = io.StringIO()
+        chat = ChatSession(engine, max_tokens=80, show_tiers=True, out=out)
+        chat.ask("Repeat this code exactly:\n\n" + COPY_PROMPT)
+        chat.ask("Now repeat the same code again, unchanged.")
+        assert COLOURS[COPY] in out.getvalue()
+        assert chat.stats.copied_tokens > 0
+        assert f"copied {chat.stats.copied_tokens} (" in chat.stats_text()

@@ -35,8 +35,10 @@ def test_variant_has_the_tensor_types_its_recipe_promises(tiny256, name):
     types = formats.tensor_types(path)
     weights = {n: t for n, t in types.items() if n.endswith(".weight") and "norm" not in n}
     assert weights, types
+    head = formats.tensor_types(tiny256)["output.weight"] if r.head == formats.SOURCE_HEAD else r.head
+    assert head != r.body  # the head's own type is really kept apart from the body's
     for n, t in weights.items():
-        want = r.head if (r.head and n == "output.weight") else r.body
+        want = head if (r.head and n == "output.weight") else r.body
         assert t == want, (n, t, want)
     assert all(t == "F32" for n, t in types.items() if "norm" in n)
     assert formats.variant_source(path) == (name, formats.sha256_cached(tiny256))
@@ -53,6 +55,43 @@ def test_tied_model_gets_its_head_type_on_the_embedding(tmp_path):
     types = formats.tensor_types(formats.derive(src, "q4_0-q8head", quiet=True))
     assert "output.weight" not in types and types["token_embd.weight"] == "Q8_0"
     assert types["blk.0.ffn_down.weight"] == "Q4_0"
+
+
+def test_source_head_recipes_keep_a_quantized_head_as_it_was(tmp_path):
+    """Q8_0 body with the source's LM head, on a source whose head is quantized (Q4_0 here, as a
+    shipped Q4_K_M keeps its Q6_K head)."""
+    src = formats.derive(make_tiny_gguf(tmp_path / "s.gguf", blocks=1, n_embd=256, n_ff=512, seed=4), "q4_0",
+                         quiet=True)
+    types = formats.tensor_types(formats.derive(src, "q8_0-srchead", quiet=True))
+    assert types["output.weight"] == "Q4_0" and types["blk.0.ffn_down.weight"] == "Q8_0"
+
+
+def test_default_formats_follow_the_build():
+    from via_edge.llama import system_info
+
+    amx = "AMX_INT8 = 1" in system_info()
+    assert formats.default_formats() == (formats.AMX_FORMATS if amx else formats.OTHER_FORMATS)
+    assert {"q4_0", "q8_0", "q4_0-srchead", "q8_0-srchead", "iq4_nl", "shipped"} == set(formats.AMX_FORMATS)
+    formats.check_names(list(formats.AMX_FORMATS + formats.OTHER_FORMATS))
+
+
+def test_quality_figures_are_cached_per_source_format_and_prompts(tiny256, tmp_path, monkeypatch):
+    """A second survey of the same variant reads the stored figures (even with the variant gone);
+    other prompts measure again."""
+    from via_edge.tune.survey import qualities
+
+    monkeypatch.setenv("VIA_EDGE_MODEL_DIR", str(tmp_path))
+    copy = tmp_path / "v.gguf"
+    shutil.copy(formats.derive(tiny256, "q8_0", quiet=True), copy)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    load = LoadParams(n_ctx=128)
+    first = qualities(tiny256, {"q8_0": copy}, prompts, 6, load)["q8_0"]
+    assert first.positions == 12 and 0.0 <= first.agreement <= 1.0
+    assert len(list((tmp_path / "quality").glob("*--q8_0--*.json"))) == 1
+    copy.unlink()
+    assert qualities(tiny256, {"q8_0": copy}, prompts, 6, load)["q8_0"] == first
+    with pytest.raises(ModelFileError):  # other prompts are not served from the cache: it loads again
+        qualities(tiny256, {"q8_0": copy}, prompts[:1], 6, load)
 
 
 def test_cache_is_keyed_by_the_source_sha256(tmp_path):

@@ -301,17 +301,48 @@ def test_engine_and_cli_use_the_tuned_choice(model_dir, smollm2):
     with Engine.from_pair("smollm2", n_ctx=512, overrides={"n_draft": 2}) as engine:
         assert engine.spec.n_draft == 2 and engine.mode_specs["via"].n_draft == 2
     with Engine.from_pair("smollm2", n_ctx=512, tuned=False) as engine:
-        assert engine.mode == "ar" and engine.spec == SpecParams()
+        assert engine.mode == "lookup" and engine.spec == SpecParams()  # the untuned default
 
     env = {**os.environ}
     out = cli("generate", "Name a colour.", "--pair", "smollm2", "-n", 8, "--json", "--ctx", 512, env=env)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["mode"] == "sd"
     out = cli("generate", "Name a colour.", "--pair", "smollm2", "-n", 8, "--json", "--ctx", 512, "--untuned", env=env)
-    assert json.loads(out.stdout)["mode"] == "ar"
-    out = cli("generate", "Name a colour.", "--pair", "smollm2", "-n", 8, "--json", "--ctx", 512, "--mode", "lookup",
+    assert json.loads(out.stdout)["mode"] == "lookup"  # the untuned default
+    out = cli("generate", "Name a colour.", "--pair", "smollm2", "-n", 8, "--json", "--ctx", 512, "--mode", "ar",
               env=env)
-    assert json.loads(out.stdout)["mode"] == "lookup"
+    assert json.loads(out.stdout)["mode"] == "ar"
+
+
+def test_a_choice_made_on_another_build_is_not_applied(model_dir, smollm2):
+    """Tuned choices are keyed by CPU and llama.cpp build: one from another (here: renamed to a
+    foreign machine key) is ignored with a warning that says to re-tune."""
+    path = write_choice()
+    path.rename(path.with_name("smollm2--other-cpu-2c-00000000.choice.json"))
+    out = cli("generate", "Name a colour.", "--pair", "smollm2", "-n", 4, "--json", "--ctx", 512)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["mode"] != "sd"  # the stored choice (sd) was not applied
+    assert "another machine or llama.cpp build (other-cpu-2c-00000000)" in out.stderr
+    assert "run `via-edge tune --pair smollm2` here" in out.stderr
+
+
+def test_lookup_takes_ars_place_when_no_slower():
+    from via_edge.tune.choose import Candidate
+    from via_edge.tune.tuner import _copy_drafting_over_ar
+
+    ar = Candidate("ar", SpecParams(), None, 1.0, 10.0, 0.0, 1.0, {})
+    look = Candidate("lookup", SpecParams(copy_max=16), None, 1.01, 10.1, 0.0, 1.0, {})
+    best = {"ar": ar, "lookup": look}
+
+    def checks(lookup_speed):
+        return {"ar": {"measured_speedup": 1.0}, "lookup": {"measured_speedup": lookup_speed}}
+    assert _copy_drafting_over_ar(ar, "chose ar", best, checks(0.99), "shipped")[0] is look
+    assert _copy_drafting_over_ar(ar, "chose ar", best, checks(0.95), "shipped")[0] is ar  # measured slower
+    sd = Candidate("sd", SpecParams(), None, 1.3, 13.0, 0.0, 1.0, {})
+    assert _copy_drafting_over_ar(sd, "chose sd", {**best, "sd": sd}, checks(1.2), "shipped")[0] is sd
+    # ar on another format than the checks were run on: nothing measured to compare with
+    q4 = Candidate("ar", SpecParams(), None, 1.2, 12.0, 0.0, 1.0, {}, "q4_0")
+    assert _copy_drafting_over_ar(q4, "chose ar", best, checks(1.3), "shipped")[0] is q4
 
 
 def test_corrupt_choice_is_one_clear_error(model_dir, smollm2):

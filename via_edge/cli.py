@@ -26,7 +26,7 @@ from .errors import InvalidParameterError, ViaEdgeError
 from .formats import AMX_FORMATS, FORMAT_NAMES, OTHER_FORMATS, check_names, default_formats
 from .batching import DEFAULT_PARALLEL
 from .llama import EXACT, MAX_SEQ
-from .modes import MODE_NAMES
+from .modes import DEFAULT_MODE, MODE_NAMES
 from .progress import StatusLine
 from .tune.survey import QUALITY_FLOOR, check_floor
 
@@ -133,7 +133,7 @@ class Options:
     def sampling(self) -> dict[str, Any]:
         return {o.name: self.values[o.name] for o in SAMPLING_OPTS if o.name in self.values}
 
-    def engine(self, mode: str | None, fallback_mode: str = "ar", progress: bool = False,
+    def engine(self, mode: str | None, fallback_mode: str = DEFAULT_MODE, progress: bool = False,
                n_parallel: int = 1) -> Engine:
         """The engine these options describe: a pair (with its tuned choice) or explicit files.
 
@@ -212,7 +212,7 @@ def generate(
     prompt: Optional[str] = typer.Argument(None, help="The prompt (a user message unless --raw); - reads it "
                                            "from standard input.", show_default=False),
     prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from this file (long prompts)."),
-    mode: Optional[str] = _mode_opt("ar"),
+    mode: Optional[str] = _mode_opt(DEFAULT_MODE),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Maximum new tokens."),
     stop: List[str] = typer.Option([], help="Stop string (repeatable)."),
     raw: bool = typer.Option(False, help="Do not apply the chat template."),
@@ -243,7 +243,10 @@ def generate(
             sys.stdout.write("\n")
             _err(f"[{res.mode}] {s.generated_tokens} tokens, {s.tokens_per_second:.1f} tok/s "
                  f"(prompt {s.prompt_tokens} tokens, {s.prompt_tokens_per_second:.0f} tok/s)"
-                 + (f", accepted {s.draft_n_accepted}/{s.draft_n} drafted" if s.draft_n else "")
+                 + (f", accepted {s.draft_n_accepted}/{s.draft_n} drafted, {s.mean_accepted_per_round:.1f} per "
+                    f"round, drafts of {s.mean_draft_length:.1f}" if s.draft_n else "")
+                 + (f", {s.copied_tokens} copied from the context, {s.generated_tokens - s.copied_tokens} "
+                    f"generated" if res.mode == "lookup" else "")
                  + (f", tiers A/B/C {s.tier_a}/{s.tier_b}/{s.tier_c}" if res.mode == "via" else ""))
 
 
@@ -379,7 +382,7 @@ def bench(
 @app.command()
 @shared(MODEL_OPTS, SPEC_OPTS, SAMPLING_OPTS, RUN_OPTS)
 def chat(
-    mode: Optional[str] = _mode_opt("sd"),
+    mode: Optional[str] = _mode_opt(DEFAULT_MODE),
     system: Optional[str] = typer.Option(None, help="System message."),
     show_tiers: bool = typer.Option(False, help="Colour each token by origin: green draft, cyan copied from the context, yellow slim, blue target."),
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Maximum tokens per answer."),
@@ -388,7 +391,7 @@ def chat(
     """Chat in the terminal, streaming, multi-turn (/help inside lists the commands)."""
     from .chat import run
 
-    with opts.engine(mode, fallback_mode="sd", progress=True) as engine:
+    with opts.engine(mode, progress=True) as engine:
         _tuning_hint(engine, opts.target)
         _doing("the chat", "nothing was written")
         run(engine, system=system, max_tokens=max_tokens, show_tiers=show_tiers, **opts.sampling())
@@ -399,7 +402,7 @@ def chat(
 def serve(
     host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default)."),
     port: int = typer.Option(8080, help="Port to listen on."),
-    mode: Optional[str] = _mode_opt("sd", "Default decoding mode; requests may set 'mode'"),
+    mode: Optional[str] = _mode_opt(DEFAULT_MODE, "Default decoding mode; requests may set 'mode'"),
     max_body: int = typer.Option(1 << 20, help="Largest request body in bytes."),
     max_tokens_limit: int = typer.Option(4096, help="Largest max_tokens a request may ask for."),
     parallel: int = typer.Option(DEFAULT_PARALLEL, "--parallel", "-np", help="Requests generated at once, batched "
@@ -411,7 +414,7 @@ def serve(
     from .server import bind, run
 
     sock = bind(host, port)  # a busy port fails here, before a model loads
-    with sock, opts.engine(mode, fallback_mode="sd", progress=True, n_parallel=parallel) as engine:
+    with sock, opts.engine(mode, progress=True, n_parallel=parallel) as engine:
         _tuning_hint(engine, opts.target)
         _doing("the server", "nothing was written")
         url = f"http://{host}:{sock.getsockname()[1]}/v1"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from importlib.resources import files
 from typing import Callable
 
@@ -21,26 +22,39 @@ from .llama import LlamaModel
 from .machine import machine_key
 from .models import model_dir, sha256_cached
 
-BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 33)  # 33: a 32-token draft and the target's own token
+BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 33)  # 33: a 32-token draft and the target's own token
 CONTEXT = 256
 log = logging.getLogger("via_edge.costs")
 
 
+def _points(model: LlamaModel) -> tuple[list[int], int]:
+    """The batch sizes and context measured: as many of BATCHES and CONTEXT as the window holds."""
+    batches = [n for n in BATCHES if 2 * n <= model.n_ctx] or [1]
+    return batches, max(0, min(CONTEXT, model.n_ctx - batches[-1]))
+
+
 def _path(model: LlamaModel):
     threads = model.params.n_threads or "auto"
+    batches, context = _points(model)
     return model_dir() / "tuned" / (f"batch-cost--{sha256_cached(model.path)[:16]}--{machine_key()}"
-                                    f"--t{threads}.json")
+                                    f"--t{threads}--n{batches[-1]}c{context}.json")
 
 
 def measure(model: LlamaModel, repeats: int = 3) -> dict[int, float]:
-    """Median seconds of one decode of n tokens after CONTEXT tokens, for n in BATCHES."""
+    """Median seconds of one decode of n tokens after CONTEXT tokens, for n in BATCHES (as many
+    of both as a small context window holds)."""
     from .tune.profile import measure as profile
 
     text = (files("via_edge") / "data" / "perplexity" / "textwrap.py.txt").read_text()
     fill = model.tokenize(text, add_special=False)
-    table = profile({"target": model}, fill, batches=BATCHES, contexts=(CONTEXT,), repeats=repeats)
+    batches, context = _points(model)
+    before = (replace(model.usage), [replace(s.usage) for s in model.seqs])
+    table = profile({"target": model}, fill, batches=batches, contexts=(context,), repeats=repeats)
     model.reset()
-    return dict(zip(BATCHES, table.table["target"][0]))
+    model.usage = before[0]  # the measurement is no one's generation: it counts in no statistics
+    for seq, usage in zip(model.seqs, before[1]):
+        seq.usage = usage
+    return dict(zip(batches, table.table["target"][0]))
 
 
 def batch_cost(model: LlamaModel) -> Callable[[int], float]:
@@ -52,13 +66,13 @@ def batch_cost(model: LlamaModel) -> Callable[[int], float]:
     except (OSError, ValueError, KeyError):
         seconds = measure(model)
         try:
-            write_json(path, {"model": model.path.name, "context": CONTEXT,
+            write_json(path, {"model": model.path.name, "context": _points(model)[1],
                               "seconds": {str(n): s for n, s in seconds.items()}})
         except OSError as exc:
             log.info("batch costs not stored (%s); measured again next time", exc)
     ns = sorted(seconds)
     rel = [seconds[n] / seconds[1] for n in ns]
-    slope = (rel[-1] - rel[-2]) / (ns[-1] - ns[-2])
+    slope = (rel[-1] - rel[-2]) / (ns[-1] - ns[-2]) if len(ns) > 1 else 1.0
 
     def cost(n: int) -> float:
         if n > ns[-1]:

@@ -149,8 +149,8 @@ class CopyPolicy:
     measured cost profile). A draft must beat a plain step by `margin`.
     """
 
-    def __init__(self, batch_cost: Callable[[int], float] | None = None, margin: float = 0.05) -> None:
-        self.batch_cost = batch_cost or (lambda n: 1.0 + 0.25 * (n - 1))
+    def __init__(self, batch_cost: Callable[[int], float], margin: float = 0.05) -> None:
+        self.batch_cost = batch_cost
         self.margin = margin
         self.counts = [list(p) for p in PRIOR]
         self._costs: dict[int, float] = {}
@@ -203,8 +203,8 @@ class CopyDrafter:
 
     origin = COPY
 
-    def __init__(self, policy: CopyPolicy | None = None) -> None:
-        self.policy = policy or CopyPolicy()
+    def __init__(self, policy: CopyPolicy) -> None:
+        self.policy = policy
         self.index = NgramIndex()
         self.src: int | None = None  # the source position the next token is expected to copy
         self.run = 0                 # tokens the current alignment has matched

@@ -23,7 +23,7 @@ from .costs import batch_cost
 from .drafters import CopyDrafter, CopyPolicy, Drafter, ModelDrafter, check_compatible
 from .errors import ContextOverflowError, InvalidParameterError
 from .llama import MAX_SEQ, LlamaModel, LoadParams, common_prefix
-from .modes import TARGET, Mode, Origin, Tier, mode_info
+from .modes import DEFAULT_MODE, TARGET, Mode, Origin, Tier, mode_info
 from .prompts import chat_tokens
 from .sampling import SamplingParams
 from .scores import ScoredModel
@@ -157,7 +157,7 @@ class Engine:
         draft: str | Path | None = None,
         slim: str | Path | None = None,
         *,
-        mode: str = "ar",
+        mode: str = DEFAULT_MODE,
         draft_layers: str | None = None,
         slim_layers: str | None = None,
         n_ctx: int = 4096,
@@ -211,7 +211,7 @@ class Engine:
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
     def from_pair(cls, name: str | None = None, *, tuned: bool = True, overrides: Mapping | None = None,
-                  fallback_mode: str = "ar", **kwargs) -> "Engine":
+                  fallback_mode: str = DEFAULT_MODE, **kwargs) -> "Engine":
         """An engine for a catalog pair (default: the catalog's default pair).
 
         When `via-edge tune` has tuned the pair on this machine (and `tuned` is true), its choice

@@ -41,6 +41,10 @@ MODES: dict[str, ModeInfo] = {
     "hier": ModeInfo("model", True, True, "hier", "slim filters and extends drafts, target verifies"),
 }
 MODE_NAMES: tuple[str, ...] = tuple(MODES)
+# The mode generate, chat, serve and the Python API run when no tuned choice names one: copy-aware
+# drafting costs nothing where the answer copies nothing (it drafts only when a copy pays, else the
+# round is plain decoding) and is several times faster where it does (docs/benchmarks.md, section 20).
+DEFAULT_MODE = "lookup"
 LOSSLESS: frozenset[str] = frozenset(m for m, info in MODES.items() if info.lossless)
 
 
