@@ -13,6 +13,7 @@ import json
 import logging
 from dataclasses import replace
 from importlib.resources import files
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -33,7 +34,7 @@ def _points(model: LlamaModel) -> tuple[list[int], int]:
     return batches, max(0, min(CONTEXT, model.n_ctx - batches[-1]))
 
 
-def _path(model: LlamaModel):
+def _path(model: LlamaModel) -> Path:
     threads = model.params.n_threads or "auto"
     batches, context = _points(model)
     return model_dir() / "tuned" / (f"batch-cost--{sha256_cached(model.path)[:16]}--{machine_key()}"

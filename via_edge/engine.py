@@ -275,7 +275,9 @@ class Engine:
             source = slim_source(m.slim.path)  # KV import only from the very target the slim was cut from
             if source and is_prefix(source[0]) and source[1] == target_sha256(self.target_path):
                 m.slim_prefix = len(source[0])
-        if info.drafter == "lookup" and m.batch_cost is None:
+        # with slots, measured at start-up whatever the mode: later, it would decode beside (and
+        # reset the caches of) running generations
+        if (info.drafter == "lookup" or self._scheduler is not None) and m.batch_cost is None:
             if self._progress is not None:
                 self._progress("batch costs", 0.0)
             m.batch_cost = batch_cost(m.target)  # measured once per machine and model file
