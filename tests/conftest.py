@@ -12,6 +12,14 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from make_tiny_gguf import make_tiny_gguf  # noqa: E402
 
+def interruptible() -> None:
+    """preexec_fn for a child that the test interrupts: a suite started in the background (a
+    non-interactive `cmd &`) inherits SIGINT ignored, and Python then installs no Ctrl-C handler."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 # batched and single-token decodes agree to ~1e-5 only without repacking, F16 KV or flash attention
 EXACT = dict(n_ctx=512, kv_type="f32", flash_attn=False, use_extra_bufts=False)
 

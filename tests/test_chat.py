@@ -4,9 +4,12 @@ import sys
 
 import pexpect
 
+from conftest import interruptible
+
 
 def spawn(*args, timeout=60):
     child = pexpect.spawn(sys.executable, ["-m", "via_edge", "chat", *map(str, args)], encoding="utf-8",
+                          preexec_fn=interruptible,
                           timeout=timeout)
     child.expect("/help for commands")
     child.expect_exact("> ")
@@ -88,7 +91,7 @@ def test_a_message_too_long_for_the_context_keeps_the_session(tiny_target):
 def test_ctrl_c_in_a_command_says_what_it_stopped(smollm2):
     child = pexpect.spawn(sys.executable, ["-m", "via_edge", "generate", "Write a very long essay about computers.",
                                            "--target", str(smollm2), "-n", "3000", "--mode", "ar"], encoding="utf-8",
-                          timeout=60)  # ar: lookup copies SmolLM2's repetitions and could finish first
+                          timeout=60, preexec_fn=interruptible)  # ar: lookup copies SmolLM2's repetitions
     child.expect(r"\w+ \w+ \w+")  # generating
     child.sendintr()
     child.expect_exact("interrupted: generation stopped; nothing was written")

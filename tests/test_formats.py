@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_tiny_gguf
+from conftest import interruptible, make_tiny_gguf
 from via_edge import Engine, formats
 from via_edge.errors import ModelFileError, ViaEdgeError
 from via_edge.llama import LlamaModel, LoadParams
@@ -112,7 +112,7 @@ def test_interrupted_derivation_leaves_no_file_under_the_final_name(smollm2, tmp
     shutil.copy(smollm2, src)
     final = formats.variant_path(src, "iq4_nl", formats.sha256_cached(src))
     code = f"from via_edge import formats; formats.derive({str(src)!r}, 'iq4_nl', quiet=True, threads=1)"
-    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, preexec_fn=interruptible)
     deadline = time.monotonic() + 60
     while not list(tmp_path.glob(final.name + ".partial-*")) and time.monotonic() < deadline:
         time.sleep(0.05)
