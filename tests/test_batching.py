@@ -143,3 +143,36 @@ def test_a_batched_sequence_checks_its_context_and_a_closed_scheduler_refuses(ti
 def test_parallel_outside_1_to_64_is_refused(tiny_target, n):
     with pytest.raises(InvalidParameterError, match="n_parallel"):
         Engine(tiny_target, n_parallel=n, **KW)
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "lookup"])
+def test_a_one_slot_engine_called_from_threads_answers_each_its_own(solo, mode):
+    """Calls from several threads on the default one slot take turns: each gets the answer it
+    gets alone (they once shared slot 0's KV cache at once and came back mixed)."""
+    want = [solo.generate(p, max_tokens=24, chat_template=False, mode=mode).tokens for p in PROMPTS]
+    out: dict[int, list[int]] = {}
+    start = threading.Barrier(len(PROMPTS))
+
+    def one(i: int) -> None:
+        start.wait()
+        out[i] = solo.generate(PROMPTS[i], max_tokens=24, chat_template=False, mode=mode).tokens
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [out[i] for i in range(len(PROMPTS))] == want
+    assert solo.slots_busy == 0
+
+
+def test_a_half_read_stream_on_one_slot_lets_the_same_thread_go_on(solo):
+    """A stream this thread left half-read does not block its next call (the call takes the
+    turn over), and the stream, read again, still finishes with its own answer."""
+    want = [solo.generate(p, max_tokens=20, chat_template=False, mode="ar").tokens for p in PROMPTS[:2]]
+    first = solo.stream(PROMPTS[0], max_tokens=20, chat_template=False, mode="ar")
+    next(first)
+    assert solo.generate(PROMPTS[1], max_tokens=20, chat_template=False, mode="ar").tokens == want[1]
+    for _ in first:
+        pass
+    assert first.result.tokens == want[0] and solo.slots_busy == 0

@@ -1,5 +1,9 @@
 """The llama.cpp adapter on real llama.cpp with tiny GGUFs."""
 
+import os
+import threading
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -165,3 +169,36 @@ def test_common_prefix():
     assert common_prefix(a, a[:2990] + [-1]) == 2990
     assert common_prefix([], a) == 0
 
+
+
+def _native_threads() -> int:
+    """OS threads Python did not start: OpenMP's team workers among them."""
+    return len(os.listdir("/proc/self/task")) - threading.active_count()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_decodes_from_many_threads_share_one_openmp_team(tiny_target):
+    """libgomp gives every thread that decodes a team of its own; with more team threads than
+    CPUs its barriers sleep instead of spinning (half speed measured on the AMX build). Decodes
+    from any thread must run on one compute thread, so callers add no teams."""
+    with LlamaModel(tiny_target, replace(PARAMS, n_threads=2)) as m:
+        toks = m.tokenize(TEXT)
+        m.decode(toks[:4])
+        before = _native_threads()
+        decoded, release = threading.Barrier(4), threading.Event()
+
+        def caller(i: int) -> None:
+            m.decode(toks[4 + i:5 + i])
+            decoded.wait()
+            release.wait()  # alive while counted: a thread's team ends with the thread
+
+        callers = [threading.Thread(target=caller, args=(i,)) for i in range(3)]
+        for t in callers:
+            t.start()
+        decoded.wait()
+        after = _native_threads()
+        release.set()
+        for t in callers:
+            t.join()
+        assert m.tokens == toks[:7]
+    assert after == before

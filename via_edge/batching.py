@@ -8,9 +8,10 @@ since the oldest call), the scheduler's own thread decodes for all: one `decode_
 holding every pending part, at most n_batch tokens; a long prompt continues in the next step,
 beside the running generations' next tokens. Each call then returns its own rows.
 
-One thread makes every decode because llama.cpp's CPU backend is built with OpenMP here: each
-thread that calls llama_decode gets its own OpenMP team, and idle teams spin on the same two
-cores (measured: a 4-sequence step cost 371 ms with the callers taking turns, 190 ms in one thread).
+Whichever thread decodes, llama.cpp's work itself always runs on the adapter's one compute
+thread (llama.py, `_ComputeThread`: a second OpenMP team makes every barrier sleep; measured here
+before that thread existed: a 4-sequence step cost 371 ms with the callers taking turns, 190 ms
+in one thread).
 
 The decoding policy (decoding.Decoder) does not change: it still makes one call at a time, so
 every mode batches, drafts and slim checks included.

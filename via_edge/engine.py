@@ -132,6 +132,8 @@ class _Slot:
     index: int
     scored: dict[str, ScoredModel] = field(default_factory=dict)
     drafters: dict[str, Drafter] = field(default_factory=dict)
+    holder: object | None = None  # the generation whose turn it is (one-slot engines)
+    holder_thread: int | None = None
 
 
 @dataclass
@@ -148,7 +150,8 @@ class Engine:
 
     With `n_parallel` > 1 every model holds that many KV sequences (slots, `n_ctx` split over
     them) and up to that many generations, each in its own thread, advance together in shared
-    decodes (batching.py); more wait for a free slot. With 1, calls take turns.
+    decodes (batching.py); more wait for a free slot. With 1, calls from other threads wait their
+    turn (see `_take_turn`).
     """
 
     def __init__(
@@ -316,34 +319,45 @@ class Engine:
         return slot.scored[role]
 
     # ---- slots ----------------------------------------------------------------------------------
-    def _acquire(self, prompt: Sequence[int]) -> _Slot:
-        """A free slot, waiting for one; the one whose cache shares most of `prompt` (a chat's
-        next turn finds its own history). With one slot, calls share it as they always have: a
-        stream left half-read does not block the next call, which re-syncs the KV cache."""
+    def _acquire(self, prompt: Sequence[int], me: object) -> _Slot:
+        """A slot for generation `me`, waiting for one: the free one whose cache shares most of
+        `prompt` (a chat's next turn finds its own history)."""
         with self._slot_cv:
             self._busy += 1
-        if self._scheduler is None:
-            return self._slots[0]
-        with self._slot_cv:
+            if self._scheduler is None:
+                slot = self._slots[0]
+                self._take_turn(slot, me)
+                return slot
             while not self._free:
                 self._slot_cv.wait()
             # ties to the lowest id: llama.cpp decodes a contiguous run of sequences fastest
             # (measured 2 x 1 token: sequences 0,1 112 ms, 0,2 141 ms; docs/benchmarks.md section 17)
             slot = max(self._free, key=lambda s: (common_prefix(self.target.seqs[s.index].tokens, prompt), -s.index))
             self._free.remove(slot)
-        if self._scheduler is not None:
-            self._scheduler.enter()
+        self._scheduler.enter()
         return slot
 
-    def _release(self, slot: _Slot) -> None:
+    def _take_turn(self, slot: _Slot, me: object) -> None:
+        """With one slot, generations take turns: `me` waits while another thread's generation
+        holds it. A generation of this same thread holds it only while suspended (a stream left
+        half-read), so `me` takes it over rather than wait forever; the other re-syncs the KV
+        cache when it is read again. Called holding `_slot_cv`."""
+        thread = threading.get_ident()
+        while slot.holder not in (None, me) and slot.holder_thread != thread:
+            self._slot_cv.wait()
+        slot.holder, slot.holder_thread = me, thread
+
+    def _release(self, slot: _Slot, me: object) -> None:
+        if self._scheduler is not None:
+            self._scheduler.leave()
         with self._slot_cv:
             self._busy -= 1
-        if self._scheduler is None:
-            return
-        self._scheduler.leave()
-        with self._slot_cv:
-            self._free.append(slot)
-            self._slot_cv.notify()
+            if self._scheduler is not None:
+                self._free.append(slot)
+                self._slot_cv.notify()
+            elif slot.holder is me:
+                slot.holder = slot.holder_thread = None
+                self._slot_cv.notify_all()
 
     @property
     def slots_busy(self) -> int:
@@ -452,12 +466,22 @@ class Engine:
     def _run(self, box: list[Result], prompt: list[int], mode: str, sp: SamplingParams, max_tokens: int,
              stop: Sequence[str], spec: SpecParams, should_stop: Callable[[], bool] | None,
              arrived: float) -> Iterator[Piece]:
-        slot = self._acquire(prompt)
+        me = object()
+        slot = self._acquire(prompt, me)
+        steps = self._generate(box, slot, prompt, mode, sp, max_tokens, stop, spec, should_stop,
+                               time.perf_counter() - arrived)
         try:
-            yield from self._generate(box, slot, prompt, mode, sp, max_tokens, stop, spec, should_stop,
-                                      time.perf_counter() - arrived)
+            while True:
+                if self._scheduler is None:
+                    with self._slot_cv:  # the turn may have passed to a newer call of this thread
+                        self._take_turn(slot, me)
+                piece = next(steps, None)
+                if piece is None:
+                    return
+                yield piece
         finally:
-            self._release(slot)
+            steps.close()
+            self._release(slot, me)
 
     def _generate(self, box: list[Result], slot: _Slot, prompt: list[int], mode: str, sp: SamplingParams,
                   max_tokens: int, stop: Sequence[str], spec: SpecParams, should_stop: Callable[[], bool] | None,

@@ -15,10 +15,11 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import signal
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -62,36 +63,67 @@ def _backend_init() -> None:
         _log_callback = lc.llama_log_callback(_on_log)
         lc.llama_log_set(_log_callback, ctypes.c_void_p(0))
         lc.llama_backend_init()
-        _defer_interrupts_in(_on_log.__code__)
         _initialized = True
 
 
-_interrupted = threading.Event()
+class _ComputeThread:
+    """The one thread of the process that runs llama.cpp's compute: model loads and decodes.
+
+    llama.cpp's CPU backend runs each graph in an OpenMP team owned by the calling thread, and
+    libgomp gives every new calling thread a team of its own. Once the process holds more team
+    threads than CPUs, libgomp stops spinning at barriers and sleeps on a futex at each of the
+    graph's hundreds of barriers. Measured (AMX build, where loading repacks weights in OpenMP
+    loops; docs/benchmarks.md section 21): loaded in the main thread and decoded in a worker,
+    15.6 tok/s with 18,000 context switches per team thread for 48 tokens; loaded and decoded in
+    one thread, 27-28 tok/s. So every caller hands its llama.cpp work to this one thread.
+
+    A caller waits for its call to finish even through Ctrl-C, then raises KeyboardInterrupt:
+    the KV cache and each sequence's `tokens` never disagree, and the batch is never refilled
+    while llama.cpp still reads it.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._start_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def run(self, fn: Callable, *args):
+        if threading.current_thread() is self._thread:
+            return fn(*args)
+        if self._thread is None:
+            with self._start_lock:
+                if self._thread is None:
+                    thread = threading.Thread(target=self._serve, name="via-edge-llama", daemon=True)
+                    thread.start()
+                    self._thread = thread
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        interrupted = False
+        while True:
+            try:
+                result = future.result()
+                break
+            except KeyboardInterrupt:
+                interrupted = True
+        if interrupted:
+            raise KeyboardInterrupt
+        return result
+
+    def _serve(self) -> None:
+        while True:
+            future, fn, args = self._queue.get()
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # handed to the caller, raised there
+                future.set_exception(exc)
 
 
-def _defer_interrupts_in(callback_code) -> None:
-    """Ctrl-C while llama.cpp runs our log callback would raise KeyboardInterrupt inside the
-    callback, where ctypes prints and drops it, and the generation would go on. Python runs signal
-    handlers in the main thread at its next bytecode, which during a decode is often the callback's:
-    there the interrupt is noted, and raised when the decode returns (`_raise_deferred`)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        return  # someone else handles Ctrl-C
-
-    def on_sigint(signum, frame):
-        if frame is not None and frame.f_code is callback_code:
-            _interrupted.set()
-            return
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, on_sigint)
+_compute = _ComputeThread()
 
 
-def _raise_deferred() -> None:
-    if _interrupted.is_set() and threading.current_thread() is threading.main_thread():
-        _interrupted.clear()
-        raise KeyboardInterrupt
+def on_compute_thread(fn: Callable, *args):
+    """Run `fn(*args)` on the thread that owns llama.cpp's compute (see `_ComputeThread`)."""
+    return _compute.run(fn, *args)
 
 
 def quantize(source: Path, dest: Path, ftype: str, *, output_type: str | None = None,
@@ -205,7 +237,7 @@ class LlamaModel:
 
             self._progress_cb = lc.llama_progress_callback(_on_progress)
             mp.progress_callback = self._progress_cb
-        self._model = lc.llama_model_load_from_file(str(self.path).encode(), mp)
+        self._model = on_compute_thread(lc.llama_model_load_from_file, str(self.path).encode(), mp)
         if not self._model:
             raise ModelFileError(f"llama.cpp could not load {self.path} (unsupported or damaged model)")
         self._vocab = lc.llama_model_get_vocab(self._model)
@@ -236,7 +268,7 @@ class LlamaModel:
         self._capture = _Capture(params.capture) if params.capture else None
         if self._capture is not None:
             cp.cb_eval = self._capture.callback
-        self._ctx = lc.llama_init_from_model(self._model, cp)
+        self._ctx = on_compute_thread(lc.llama_init_from_model, self._model, cp)
         if not self._ctx:
             self.close()
             raise ModelFileError(f"llama.cpp could not create a context for {self.path}")
@@ -415,10 +447,7 @@ class LlamaModel:
         b.n_tokens = i
         if self._capture is not None:
             self._capture.begin()
-        t0 = time.perf_counter()
-        rc = lc.llama_decode(self._ctx, b)
-        lc.llama_synchronize(self._ctx)  # Metal computes asynchronously; time the real work
-        dt = time.perf_counter() - t0
+        rc, dt = on_compute_thread(self._decode, b)
         self.usage.calls += 1
         self.usage.tokens += i
         self.usage.seconds += dt
@@ -434,13 +463,20 @@ class LlamaModel:
             seq.usage.calls += 1
             seq.usage.tokens += len(chunk)
             seq.usage.seconds += dt
-        _raise_deferred()  # after the bookkeeping: every sequence's `tokens` is the cache's truth
         if not n_rows:
             return np.empty((0, self.n_vocab), dtype=np.float32)
         ptr = ctypes.cast(lc.llama_get_logits(self._ctx), self._logits_ptr_type)
         view = np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab))
         view.flags.writeable = False
         return view
+
+    def _decode(self, batch) -> tuple[int, float]:
+        """llama_decode on the compute thread: its return code and seconds."""
+        lc = _llama_cpp()
+        t0 = time.perf_counter()
+        rc = lc.llama_decode(self._ctx, batch)
+        lc.llama_synchronize(self._ctx)  # Metal computes asynchronously; time the real work
+        return rc, time.perf_counter() - t0
 
     def captured(self, name: str) -> np.ndarray:
         """Rows of an intermediate tensor (e.g. `l_out-3`) from the last decode; needs `capture`."""
