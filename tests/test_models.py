@@ -4,8 +4,10 @@ import hashlib
 import http.server
 import io
 import json
+import os
 import threading
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -191,3 +193,42 @@ def test_unknown_model_message_names_pairs(index):
         models.resolve("nope")
     with pytest.raises(CatalogError, match="a pair"):
         models.entry("p")
+
+
+def test_the_suite_derives_nothing_into_the_users_model_directory(smollm2, session_model_dir):
+    """SmolLM2 comes in a Python package, so its F32 copies and slims go to the model directory:
+    during the tests that is the run's own (it once was the user's, 1.4 GB of it)."""
+    from via_edge.models import model_dir
+    from via_edge.slim import derived_dir
+
+    users = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "via-edge" / "models"
+    assert derived_dir(smollm2) == model_dir() == session_model_dir != users
+
+
+def test_derived_files_are_listed_and_deleted_only_by_name(tiny_target, tmp_path, monkeypatch):
+    """`models list` shows what via-edge derived, with size and kind; `models rm` deletes only
+    such files (every name checked first); `models prune` deletes what no tuned choice uses."""
+    import subprocess
+    import sys
+
+    from via_edge.slim import build_f32, build_slim
+
+    monkeypatch.setenv("VIA_EDGE_MODEL_DIR", str(tmp_path))
+    source = tmp_path / "target.gguf"
+    source.write_bytes(tiny_target.read_bytes())
+    made = [build_slim(source, "0-1"), build_slim(source, "0-2"), build_f32(source)]
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "via_edge", "models", *args], capture_output=True, text=True,
+                              timeout=120)
+
+    listing = cli("list").stdout
+    assert "derived files: 3" in listing and "slim 0-1 " in listing and "F32 copy" in listing
+    refused = cli("rm", made[0].name, source.name)
+    assert refused.returncode == 2 and "target.gguf is not a file via-edge derived" in refused.stderr
+    assert made[0].exists() and source.exists()
+    assert cli("rm", made[0].name).returncode == 0 and not made[0].exists()
+    dry = cli("prune", "--dry-run")
+    assert "would delete slim 0-2" in dry.stdout and made[1].exists()
+    assert "freed" in cli("prune").stdout and not made[1].exists() and not made[2].exists()
+    assert source.exists() and "derived files: 0" in cli("list").stdout

@@ -2,9 +2,12 @@
 
 import concurrent.futures
 import contextlib
+import json
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -266,3 +269,84 @@ def test_busy_port_fails_before_loading(tiny_target):
                                "--target", str(tiny_target)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and f"127.0.0.1:{port}" in proc.stderr and "serving" not in proc.stderr
     assert "loading" not in proc.stderr and "Traceback" not in proc.stderr and time.time() - t0 < 30
+
+
+def test_a_burst_fills_the_slots_and_exactly_max_queue_more(smollm2):
+    """One slot, --max-queue 2, five streams opened at once: one generates, two queue, two get
+    503 saying 2 are queued (requests admitted together once all counted as queued, or as
+    running before they ran). Streams that hang up while queued leave the count."""
+    proc, base = start(["--target", smollm2, "--mode", "ar", "--parallel", "1", "--max-queue", "2"])
+    endless = {"prompt": "Count from one to one thousand:", "max_tokens": 3000, "stream": True, "temperature": 0}
+    try:
+        with httpx.Client(timeout=120, limits=httpx.Limits(max_connections=10)) as http, \
+                contextlib.ExitStack() as stack:
+            together = threading.Barrier(5)
+
+            def open_one(_i):
+                together.wait()
+                return stack.enter_context(http.stream("POST", base + "/v1/completions", json=endless))
+
+            with concurrent.futures.ThreadPoolExecutor(5) as pool:
+                replies = list(pool.map(open_one, range(5)))
+            codes = sorted(r.status_code for r in replies)
+            assert codes == [200, 200, 200, 503, 503]
+            refused = next(r for r in replies if r.status_code == 503)
+            assert "2 requests are queued (--max-queue 2)" in json.loads(refused.read())["error"]["message"]
+            health = httpx.get(base + "/health").json()
+            assert (health["slots_busy"], health["queued"]) == (1, 2)
+            for r in replies:
+                if r.status_code == 200 and health["queued"]:
+                    r.close()  # hang up, running or queued
+            deadline = time.time() + 30
+            while (h := httpx.get(base + "/health").json())["queued"] or h["slots_busy"]:
+                assert time.time() < deadline, f"the count did not come back to zero: {h}"
+                time.sleep(0.1)
+        ok = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
+        assert ok.status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_a_lone_surrogate_is_an_openai_400(server):
+    body = b'{"messages": [{"role": "user", "content": "bad \\ud800 text"}]}'
+    r = httpx.post(server + "/v1/chat/completions", content=body, headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and "surrogate" in err["message"]
+
+
+def test_stream_usage_comes_in_its_own_last_chunk(client):
+    """OpenAI sends usage, when asked with stream_options, in a final chunk with no choices; the
+    SDK reads it there. Without the option no chunk carries usage."""
+    kw = dict(model=model_id(client), messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0,
+              stream=True)
+    chunks = list(client.chat.completions.create(**kw, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + chunks[-1].usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1]) and chunks[-2].choices[0].finish_reason is not None
+    plain = list(client.chat.completions.create(**kw))
+    assert all(c.usage is None for c in plain) and plain[-1].choices
+    with pytest.raises(openai.BadRequestError, match="stream_options"):
+        client.chat.completions.create(**{**kw, "stream": False}, stream_options={"include_usage": True})
+
+
+def test_sigterm_drains_for_a_bounded_time_then_cancels(smollm2):
+    """A running generation may finish for --drain seconds after SIGTERM; then it is cancelled
+    and the server exits, saying what it waited for (it once waited silently for 43 s)."""
+    proc, base = start(["--target", smollm2, "--mode", "ar", "--parallel", "1", "--drain", "2"])
+    endless = {"prompt": "Count from one to one thousand:", "max_tokens": 3000, "stream": True, "temperature": 0}
+    with httpx.stream("POST", base + "/v1/completions", json=endless, timeout=60) as r:
+        lines = r.iter_lines()
+        next(lines)
+        t0 = time.time()
+        proc.terminate()
+        with contextlib.suppress(httpx.HTTPError):
+            for _ in lines:
+                pass
+    rc = proc.wait(30)
+    waited = time.time() - t0
+    err = proc.stderr.read()
+    assert rc in (0, -signal.SIGTERM) and 1.5 < waited < 15, (rc, waited, err)  # uvicorn re-raises the signal
+    assert "1 running generations may finish for up to 2 s" in err

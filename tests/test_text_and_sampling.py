@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from via_edge.errors import InvalidParameterError
-from via_edge.sampling import SamplingParams, probs, ratio_to_top, sample, top_prob
+from via_edge.sampling import Dist, SamplingParams, dist, ratio_to_top, top_prob
 from via_edge.text import StopMatcher
 
 
@@ -74,7 +74,7 @@ def reference_probs(logits, t, k, p, mp):
 def test_probs_match_reference(t, k, p, mp):
     rng = np.random.default_rng(0)
     logits = (rng.standard_normal(5000) * 3).astype(np.float32)
-    got = probs(logits, SamplingParams(temperature=t, top_k=k, top_p=p, min_p=mp))
+    got = dist(logits, SamplingParams(temperature=t, top_k=k, top_p=p, min_p=mp)).dense(len(logits))
     ref = reference_probs(logits, t, k, p, mp)
     assert got.dtype == np.float32 and np.array_equal(got > 0, ref > 0)  # the same tokens kept
     assert np.allclose(got, ref, rtol=1e-5, atol=1e-8)  # float32 arithmetic
@@ -91,5 +91,33 @@ def test_scores_without_full_softmax():
 def test_sample_frequencies():
     p = np.array([0.5, 0.25, 0.125, 0.125])
     rng = np.random.default_rng(1)
-    counts = np.bincount([sample(p, rng) for _ in range(20000)], minlength=4) / 20000
+    counts = np.bincount([Dist(p).sample(rng) for _ in range(20000)], minlength=4) / 20000
     assert np.abs(counts - p).max() < 0.015  # ~4 standard errors at n=20000
+    sparse = Dist(np.array([0.75, 0.25]), np.array([3, 9]))  # on its support: ids come back
+    counts = np.bincount([sparse.sample(rng) for _ in range(20000)], minlength=10) / 20000
+    assert np.abs(counts - sparse.dense(10)).max() < 0.015
+
+
+@pytest.mark.parametrize("q_ids", [None, [1, 2, 5]])
+@pytest.mark.parametrize("p_ids", [None, [0, 2, 5, 7]])
+def test_residual_is_the_clipped_difference_on_any_supports(p_ids, q_ids):
+    """max(0, p - q) renormalised, whichever of p and q is held sparse, compared with dense
+    arithmetic; a point-mass q removes only its token; nothing left gives p back."""
+    rng = np.random.default_rng(4)
+    dense_p, dense_q = np.zeros(8), np.zeros(8)
+    dense_p[p_ids if p_ids is not None else slice(None)] = rng.random(len(p_ids) if p_ids else 8)
+    dense_q[q_ids if q_ids is not None else slice(None)] = rng.random(len(q_ids) if q_ids else 8)
+    dense_p /= dense_p.sum()
+    dense_q /= dense_q.sum()
+
+    def held(dense, ids):
+        return Dist(dense) if ids is None else Dist(dense[ids], np.array(ids))
+
+    p, q = held(dense_p, p_ids), held(dense_q, q_ids)
+    want = np.maximum(dense_p - dense_q, 0)
+    assert np.allclose(p.residual(q, 2).dense(8), want / want.sum())
+    assert [p.prob(t) for t in range(8)] == pytest.approx(list(dense_p))
+    without = dense_p.copy()
+    without[5] = 0
+    assert np.allclose(p.residual(None, 5).dense(8), without / without.sum())
+    assert np.allclose(p.residual(p, 5).dense(8), dense_p)  # p - p leaves nothing: p itself

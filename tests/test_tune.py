@@ -15,13 +15,13 @@ import pytest
 from conftest import EXACT, make_tiny_gguf
 from via_edge import Engine, SpecParams
 from via_edge.drafters import CopyDrafter, CopyPolicy
-from via_edge.llama import LlamaModel, LoadParams, reuse_point
+from via_edge.llama import LlamaModel, LoadParams
 from via_edge.scores import LogitRows
 from via_edge.slim import build_slim, format_layers
 from via_edge.tune.choose import best_per_mode, choose, frontier, grid, predict
 from via_edge.tune.profile import CostProfile, measure
 from via_edge.tune.record import SlimTrace, Trace, capture_names, record, slim_traces
-from via_edge.tune.replay import predicted_agreement, replay
+from via_edge.tune.replay import MeteredKV, predicted_agreement, replay
 from via_edge.tune.search import Search
 
 PROMPTS = ["hello world", "the cat is here", "some more words in here", "xyz 123 abc"]
@@ -398,6 +398,15 @@ def test_tune_command_end_to_end(model_dir, smollm2):
     assert choice["target_format"] in ("shipped", "q4_0") and choice["draft_format"] == "shipped"
     assert all(c["format"] == choice["target_format"] for c in result["best"].values())
     assert (model_dir / "report" / "report.md").read_text().startswith("# via-edge tune: smollm2")
+    # what this run made and did not choose is gone; what the choice loads is there
+    from via_edge.derived import derived_files, in_use
+    kept = derived_files()
+    used = in_use(kept)
+    assert result["removed"] and not any(Path(p).exists() for p in result["removed"])
+    assert {d.kind for d in kept if d.path not in used} <= {"slim 0-14"}  # the pair's draft, made before
+    assert (choice["target_format"] == "q4_0") == any(d.kind == "format q4_0" and d.path in used for d in kept)
+    fewer = cli("tune", "--pair", "smollm2", "--formats", "shipped")  # refused before any work
+    assert fewer.returncode == 2 and "--replace" in fewer.stderr and "q4_0" in fewer.stderr
     bad = cli("tune", "--pair", "smollm2", "--slim-budget", "1.5")
     assert bad.returncode == 2 and "slim-budget" in bad.stderr and "Traceback" not in bad.stderr
 
@@ -421,35 +430,24 @@ class Recorder:
 
     def decode(self, tokens):
         rows = self.scored.decode(tokens).logits.copy()
-        self.calls.append(("decode", list(tokens), 1, rows))
+        self.calls.append(("decode", list(self.scored.tokens), 1, rows))  # what the cache then holds
         return LogitRows(rows)
 
     def is_eog(self, token):
         return self.scored.is_eog(token)
 
 
-class Playback:
-    """The recorded answers played back, priced by the replay's Meter as the replay prices traces."""
+class Playback(MeteredKV):
+    """The recorded answers played back, priced by the replay's own MeteredKV (what TraceModel is)."""
 
     def __init__(self, role, rec, meter, start):
-        self.role, self.calls, self.meter, self.n_ctx, self.eog = role, list(rec.calls), meter, rec.n_ctx, rec.is_eog
-        self.tokens = list(start)
+        super().__init__(role, role, meter, start)
+        self.calls, self.n_ctx, self.eog = list(rec.calls), rec.n_ctx, rec.is_eog
 
-    def _next(self, kind, tokens, n_rows):
+    def _rows(self, tokens, n_rows):
         k, want, n, rows = self.calls.pop(0)
-        assert (k, want, n) == (kind, list(tokens), n_rows), "the replayed loop asked something else"
+        assert (want, n) == (list(tokens), n_rows), f"the replayed loop asked something else than its {k}"
         return LogitRows(rows)
-
-    def eval(self, tokens, n_rows=1):
-        keep = reuse_point(self.tokens, tokens, n_rows)
-        self.meter.charge(self.role, self.role, len(tokens) - keep, keep)
-        self.tokens = list(tokens)
-        return self._next("eval", tokens, n_rows)
-
-    def decode(self, tokens):
-        self.meter.charge(self.role, self.role, len(tokens), len(self.tokens))
-        self.tokens += tokens
-        return self._next("decode", tokens, 1)
 
     def is_eog(self, token):
         return self.eog(token)

@@ -19,15 +19,18 @@ from typing import Any, Callable, List, Optional, Tuple, get_type_hints
 
 import typer
 
-from . import models as catalog
+from . import derived, models as catalog
 from .decoding import SpecParams
 from .engine import Engine
 from .errors import InvalidParameterError, ViaEdgeError
+from .files import write_text
 from .formats import AMX_FORMATS, FORMAT_NAMES, OTHER_FORMATS, check_names, default_formats
 from .batching import DEFAULT_PARALLEL
 from .llama import EXACT, MAX_SEQ
 from .modes import DEFAULT_MODE, MODE_NAMES
 from .progress import StatusLine
+from .sampling import SamplingParams
+from .slim import parse_layers
 from .tune.survey import QUALITY_FLOOR, check_floor
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
@@ -112,7 +115,8 @@ SPEC_KNOBS = tuple(o.name for o in SPEC_OPTS)
 # ranges of the commands' own numeric options, checked before anything loads
 RANGES = {"max_tokens": (1, 1 << 20), "port": (0, 65535), "max_body": (1, None), "max_tokens_limit": (1, None),
           "per_category": (1, None), "search_evals": (1, None), "calib_tokens": (2, None), "heldout": (1, None),
-          "verify_tokens": (2, None), "repeats": (1, None), "parallel": (1, MAX_SEQ), "max_queue": (0, 4096)}
+          "verify_tokens": (2, None), "repeats": (1, None), "parallel": (1, MAX_SEQ), "max_queue": (0, 4096),
+          "drain": (0, 3600)}
 
 
 @dataclass
@@ -167,6 +171,18 @@ def _check_range(name: str, value: Any, lo: float | None, hi: float | None) -> N
         raise ViaEdgeError(f"--{name.replace('_', '-')} must be {'in ' if hi is not None else ''}{span}, got {value}")
 
 
+def _check_values(opts: Options) -> None:
+    """Sampling values, decoding knobs and layer sets, checked before any model loads."""
+    v = opts.values
+    if "temperature" in v:
+        SamplingParams(**{k: x for k, x in opts.sampling().items() if x is not None})
+    if any(k in v for k in SPEC_KNOBS):
+        SpecParams(**opts.spec_overrides())
+    for name in ("draft_layers", "slim_layers"):
+        if v.get(name):
+            parse_layers(v[name], None)
+
+
 def shared(*groups: tuple[Opt, ...]) -> Callable[[Callable], Callable]:
     """Add the options of `groups` to a command and pass them to it as `opts`; check every
     numeric option's range (shared or the command's own) before the command runs."""
@@ -184,6 +200,7 @@ def shared(*groups: tuple[Opt, ...]) -> Callable[[Callable], Callable]:
             for name, (lo, hi) in RANGES.items():
                 _check_range(name, kwargs.get(name), lo, hi)
             values = {o.name: kwargs.pop(o.name) for o in opts}
+            _check_values(Options(values))
             _logging(bool(values.get("verbose")))
             if "opts" in sig.parameters:
                 kwargs["opts"] = Options(values)
@@ -371,7 +388,15 @@ def bench(
         cfg.max_tokens = B.QUICK["max_tokens"] if max_tokens == 128 else max_tokens
         cfg.exact = cfg.f32 = True  # quantized kernels differ between batch and single: see build_f32
     _doing("the benchmark", f"nothing was written to {out}")
-    results = B.run_bench(cfg)
+    try:
+        results = B.run_bench(cfg)
+    except KeyboardInterrupt as exc:
+        partial = getattr(exc, "partial", None)
+        if partial is not None:
+            path = write_text(out / "results.partial.json", json.dumps(partial, indent=1))
+            _doing("the benchmark", f"the {len(partial['meta']['prompts'])} prompts every method had finished "
+                   f"are kept in {path}")
+        raise
     for path in B.write_outputs(results, out):
         typer.echo(str(path))
     for method, s in results["summary"].items():
@@ -408,6 +433,8 @@ def serve(
     parallel: int = typer.Option(DEFAULT_PARALLEL, "--parallel", "-np", help="Requests generated at once, batched "
                                  "into shared decodes (slots; the context is split over them)."),
     max_queue: int = typer.Option(16, help="Requests that may wait for a slot; one more gets a 503."),
+    drain: float = typer.Option(10.0, help="On SIGTERM or Ctrl-C, seconds running generations may take to "
+                                "finish before they are cancelled."),
     opts: Options = None,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)."""
@@ -421,7 +448,7 @@ def serve(
         slots = f", {parallel} slots of {engine.target.n_ctx} tokens" if parallel > 1 else ""
         run(engine, sock, on_ready=lambda: _err(f"via-edge serving {engine.model_name} ({engine.mode}{slots}) "
                                                 f"on {url}"),
-            max_body=max_body, max_tokens_limit=max_tokens_limit, max_queue=max_queue)
+            drain=drain, max_body=max_body, max_tokens_limit=max_tokens_limit, max_queue=max_queue)
 
 
 @app.command()
@@ -445,6 +472,8 @@ def tune(
     quality_floor: float = typer.Option(QUALITY_FLOOR, help="A derived format must keep at least this teacher-forced "
                                         "top-1 agreement with the shipped file (0..1)."),
     out: Optional[Path] = typer.Option(None, help="Also write report.md, tune.json and frontier.png here."),
+    replace: bool = typer.Option(False, "--replace", help="Replace a stored choice even when it was made over "
+                                 "formats this run does not try."),
 ) -> None:
     """Measure this machine, try faster weight formats, search the slim verifier, predict every
     configuration offline, check the prediction with a real run, and store the choice generate,
@@ -458,7 +487,7 @@ def tune(
     check_floor(quality_floor)
     cfg = TuneConfig(pair=pair, fidelity_floor=fidelity_floor, slim_budget=slim_budget, search_evals=search_evals,
                      calib_tokens=calib_tokens, heldout=heldout, verify_tokens=verify_tokens, repeats=repeats,
-                     n_ctx=ctx, threads=threads, formats=names, quality_floor=quality_floor)
+                     n_ctx=ctx, threads=threads, formats=names, quality_floor=quality_floor, replace=replace)
     _doing("tuning", "the stored choice is unchanged")
     result = run_tune(cfg)
     paths = write_outputs(result, out)
@@ -520,6 +549,38 @@ def models_list() -> None:
         default = "  (default)" if name == cat["default_pair"] else ""
         draft = p.get("draft") or f"slim {p.get('draft_layers')} of the target"
         typer.echo(f"  pair {name}: target {p['target']}, draft {draft}, slim {p.get('slim_layers')}{default}")
+    files = derived.derived_files()
+    used = derived.in_use(files)
+    typer.echo(f"derived files: {len(files)}, {sum(d.size for d in files) / 1e9:.1f} GB "
+               "(`models rm FILE`, `models prune` deletes those no tuned choice uses)")
+    for d in files:
+        use = f"  in use: tuned {used[d.path]}" if d.path in used else ""
+        typer.echo(f"  {d.size / 1e9:5.2f} GB  {d.kind:20s} of {derived.source_name(d.source):28s} {d.path}{use}")
+
+
+@models_app.command("rm")
+@shared()
+def models_rm(files: List[str] = typer.Argument(..., help="Derived files (paths or names, as `models list` "
+                                                           "shows them).")) -> None:
+    """Delete derived files (formats, slims, F32 copies); via-edge makes them again when needed."""
+    known = derived.derived_files()
+    chosen = [derived.find(name, known) for name in files]  # every name checked before anything goes
+    freed = sum(derived.remove(d.path) for d in chosen)
+    typer.echo(f"deleted {len(chosen)} files, {freed / 1e9:.2f} GB")
+
+
+@models_app.command("prune")
+@shared()
+def models_prune(dry_run: bool = typer.Option(False, "--dry-run", help="Only say what would go."),
+                 everything: bool = typer.Option(False, "--all", help="Also the files tuned choices use.")) -> None:
+    """Delete the derived files no tuned choice uses (all of them with --all)."""
+    files = derived.derived_files()
+    used = {} if everything else derived.in_use(files)
+    gone = [d for d in files if d.path not in used]
+    for d in gone:
+        typer.echo(f"  {'would delete' if dry_run else 'deleting'} {d.kind} ({d.size / 1e9:.2f} GB) {d.path}")
+    freed = sum(d.size for d in gone) if dry_run else sum(derived.remove(d.path) for d in gone)
+    typer.echo(f"{'would free' if dry_run else 'freed'} {freed / 1e9:.2f} GB; kept {len(used)} in use by tuned choices")
 
 
 @models_app.command("pull")
@@ -566,7 +627,7 @@ def models_optimize(
     """The format step of `via-edge tune` alone: derive each weight format of the model(s), print
     what decoding 1, 4 and 8 tokens costs in each on this machine and how far each departs from
     the source (agreement, KL, perplexity), and which format plain decoding would run fastest in."""
-    from .files import write_json, write_text
+    from .files import write_json
     from .llama import LlamaModel, LoadParams
     from .prompts import chat_tokens
     from .tune.record import calibration_prompts

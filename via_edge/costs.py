@@ -18,6 +18,7 @@ from typing import Callable
 
 import numpy as np
 
+from .errors import ViaEdgeError
 from .files import write_json
 from .llama import LlamaModel
 from .machine import machine_key
@@ -69,7 +70,7 @@ def batch_cost(model: LlamaModel) -> Callable[[int], float]:
         try:
             write_json(path, {"model": model.path.name, "context": _points(model)[1],
                               "seconds": {str(n): s for n, s in seconds.items()}})
-        except OSError as exc:
+        except (OSError, ViaEdgeError) as exc:
             log.info("batch costs not stored (%s); measured again next time", exc)
     ns = sorted(seconds)
     rel = [seconds[n] / seconds[1] for n in ns]

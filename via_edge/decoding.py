@@ -27,7 +27,7 @@ from .drafters import NGRAM_LIMIT, Draft, Drafter
 from .errors import InvalidParameterError
 from .llama import common_prefix
 from .modes import DRAFT, SLIM, TARGET, Origin, Tier, mode_info
-from .sampling import SamplingParams, sample
+from .sampling import Dist, SamplingParams
 from .scores import Rows, Scorer
 from .stats import Stats
 
@@ -146,7 +146,7 @@ class Decoder:
         return draft
 
     @staticmethod
-    def _verify(rows: Rows, tokens: Sequence[int], qs: Sequence[np.ndarray] | None,
+    def _verify(rows: Rows, tokens: Sequence[int], qs: Sequence[Dist | None] | None,
                 sp: SamplingParams, rng: np.random.Generator) -> tuple[int, int]:
         """The sd rule: (how many of `tokens` are accepted, the verifier's next token).
 
@@ -163,24 +163,17 @@ class Decoder:
                 continue
             p = rows.dist(i, sp)
             q = qs[i]
-            if q is None:
-                if rng.random() < p[tok]:
-                    continue
-                residual = p.copy()
-                residual[tok] = 0.0
-                return i, sample(residual if residual.sum() > 0 else p, rng)
-            if rng.random() * q[tok] < p[tok]:
+            if rng.random() * (1.0 if q is None else q.prob(tok)) < p.prob(tok):
                 continue
-            residual = np.maximum(p - q, 0.0)
-            return i, sample(residual if residual.sum() > 0 else p, rng)
+            return i, p.residual(q, tok).sample(rng)
         n = len(tokens)
-        return n, rows.argmax(n) if sp.greedy else sample(rows.dist(n, sp), rng)
+        return n, rows.argmax(n) if sp.greedy else rows.dist(n, sp).sample(rng)
 
     # ---- modes ----------------------------------------------------------------------------------
     def _ar_round(self, ctx: list[int], sp: SamplingParams, rng: np.random.Generator, stats: Stats,
                   budget: int) -> list[Committed]:
         rows = self.target.eval(ctx, 1)
-        tok = rows.argmax(0) if sp.greedy else sample(rows.dist(0, sp), rng)
+        tok = rows.argmax(0) if sp.greedy else rows.dist(0, sp).sample(rng)
         return [(tok, TARGET, "C")]
 
     def _sd_round(self, ctx: list[int], sp: SamplingParams, rng: np.random.Generator, stats: Stats,
@@ -190,7 +183,7 @@ class Decoder:
             return self._ar_round(ctx, sp, rng, stats, budget)
         return self._target_verifies(ctx, draft.tokens, draft.q, sp, rng)
 
-    def _target_verifies(self, ctx: list[int], tokens: list[int], qs: Sequence[np.ndarray | None] | None,
+    def _target_verifies(self, ctx: list[int], tokens: list[int], qs: Sequence[Dist | None] | None,
                          sp: SamplingParams, rng: np.random.Generator) -> list[Committed]:
         """One batched target call: catch up on unseen context, verify `tokens`, add its own token."""
         rows = self.target.eval(ctx + tokens, len(tokens) + 1)
@@ -214,7 +207,7 @@ class Decoder:
         for i, tok in enumerate(draft.tokens):
             tier = self._tier(srows, draft, i, lag + len(out))
             if tier == "B":
-                regen = srows.argmax(i) if sp.greedy else sample(srows.dist(i, sp), rng)
+                regen = srows.argmax(i) if sp.greedy else srows.dist(i, sp).sample(rng)
                 if regen != tok:
                     return out + [(regen, SLIM, "B")]
             if tier == "C":
@@ -256,7 +249,7 @@ class Decoder:
         """
         limit = min(self.spec.hier_block, budget - 1, self.target.n_ctx - len(ctx) - 1)
         block: list[int] = []
-        qs: list[np.ndarray] | None = None if sp.greedy else []
+        qs: list[Dist | None] | None = None if sp.greedy else []
         while len(block) < limit:
             base = ctx + block
             draft = self._draft(base, budget, sp, rng, stats, k=min(self.spec.n_draft, limit - len(block)))

@@ -18,7 +18,7 @@ import numpy as np
 from .errors import IncompatibleModelsError
 from .llama import LlamaModel, common_prefix
 from .modes import COPY, DRAFT, Origin
-from .sampling import SamplingParams, sample
+from .sampling import Dist, SamplingParams
 from .scores import Scorer
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 class Draft:
     tokens: list[int] = field(default_factory=list)
     conf: list[float] = field(default_factory=list)  # per token, when asked for (`draft` routing)
-    q: list[np.ndarray | None] | None = None  # per token, when sampling (None: point mass)
+    q: list[Dist | None] | None = None  # per token, when sampling (None: point mass)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -72,7 +72,7 @@ class ModelDrafter:
                 p_tok = p_best
             else:
                 q = rows.dist(0, sp)
-                tok = sample(q, rng)
+                tok = q.sample(rng)
                 draft.q.append(q)
                 p_tok = p_best * rows.ratio(0, tok) if conf else 1.0
             draft.tokens.append(tok)

@@ -53,6 +53,12 @@ class Result:
     stats: Stats           # the consumer stopped reading the stream)
     mode: Mode
     prompt_tokens: int
+    eog: bool = False      # the last token is the end-of-generation token (part of `tokens`, not of `text`)
+
+    @property
+    def completion_tokens(self) -> int:
+        """The tokens of the answer, without the end-of-generation token (OpenAI's usage count)."""
+        return len(self.tokens) - self.eog
 
     def to_dict(self) -> dict:
         return {"text": self.text, "tokens": self.tokens, "origins": self.origins, "tiers": self.tiers,
@@ -187,7 +193,7 @@ class Engine:
         self.mode_specs = dict(mode_specs or {})  # per-mode knobs (a tuned configuration) over `spec`
         self.load = LoadParams(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
                                flash_attn=flash_attn, use_extra_bufts=use_extra_bufts, kv_type=kv_type,
-                               n_seq=n_parallel)
+                               n_seq=n_parallel, kv_unified=n_parallel > 1)
         self.n_parallel = n_parallel
         self._scheduler = Scheduler() if n_parallel > 1 else None
         self._slots = [_Slot(i) for i in range(n_parallel)]
@@ -330,8 +336,7 @@ class Engine:
                 return slot
             while not self._free:
                 self._slot_cv.wait()
-            # ties to the lowest id: llama.cpp decodes a contiguous run of sequences fastest
-            # (measured 2 x 1 token: sequences 0,1 112 ms, 0,2 141 ms; docs/benchmarks.md section 17)
+            # ties to the lowest id (with the unified KV buffer the ids' order costs nothing)
             slot = max(self._free, key=lambda s: (common_prefix(self.target.seqs[s.index].tokens, prompt), -s.index))
             self._free.remove(slot)
         self._scheduler.enter()
@@ -457,7 +462,7 @@ class Engine:
             raise InvalidParameterError("the prompt is empty")
         if len(tokens) >= self.target.n_ctx:
             raise ContextOverflowError(f"the prompt has {len(tokens)} tokens but the context window holds "
-                                       f"{self.target.n_ctx}; shorten it or raise n_ctx")
+                                       f"{self.target.n_ctx}; shorten it or raise n_ctx (--ctx)")
         spec = spec or self.mode_specs.get(mode) or self.spec
         empty = Result("", [], [], [], "cancelled", Stats(prompt_tokens=len(tokens)), mode, len(tokens))
         return Stream(lambda box: self._run(box, tokens, mode, sp, max_tokens, stop, spec, should_stop,
@@ -497,6 +502,7 @@ class Engine:
         tiers: list[Tier] = []
         pieces: list[str] = []
         finish = "cancelled"  # unless the loop below says otherwise: the consumer stopped reading
+        eog = False
         t0 = t1 = time.perf_counter()
         try:
             stats.cache_tokens = common_prefix(target.tokens, prompt[:-1])
@@ -515,7 +521,7 @@ class Engine:
                     origins.append(origin)
                     tiers.append(tier)
                     if target.is_eog(tok):
-                        finish = "stop"
+                        finish, eog = "stop", True
                         break
                     text, stopped_by_string = stops.feed(text_out.feed(self.target.token_bytes(tok)))
                     if text:
@@ -543,7 +549,7 @@ class Engine:
             stats.generate_seconds = time.perf_counter() - t1
             for role, scored in used:
                 setattr(stats, role, scored.seq.usage.since(before[role]))
-            box.append(Result("".join(pieces), out_tokens, origins, tiers, finish, stats, mode, len(prompt)))
+            box.append(Result("".join(pieces), out_tokens, origins, tiers, finish, stats, mode, len(prompt), eog))
 
     def _prefill(self, slot: _Slot, tokens: list[int], used: list[tuple[str, ScoredModel]]) -> None:
         """Fill every model's KV with the prompt (all but its last token, which each round decodes).

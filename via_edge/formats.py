@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import InvalidParameterError, ModelFileError, ViaEdgeError
+from .files import writable_dir
 from .gguf_info import field_value, open_reader
 from .llama import quantize
 from .models import Progress, sha256_cached
@@ -127,7 +128,7 @@ def derive(source: str | os.PathLike, name: str, *, quiet: bool = False, threads
     if dest.exists() and variant_source(dest) == (name, sha):
         return dest
     need = estimate_size(source, r)
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    writable_dir(dest.parent, f"the {name} variant of {source.name}")
     _remove_stale_partials(dest.parent)
     free = shutil.disk_usage(dest.parent).free
     if free < need + (64 << 20):

@@ -16,6 +16,7 @@ import ctypes
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -83,13 +84,17 @@ class _ComputeThread:
     """
 
     def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)  # a forked child has no such thread yet
+
+    def _reset(self) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._start_lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     def run(self, fn: Callable, *args):
-        if threading.current_thread() is self._thread:
-            return fn(*args)
+        if threading.current_thread() is self._thread or sys.is_finalizing():
+            return fn(*args)  # at exit the thread may be gone: a model freed then is freed here
         if self._thread is None:
             with self._start_lock:
                 if self._thread is None:
@@ -249,7 +254,7 @@ class LlamaModel:
         per_seq = min(per_seq, n_ctx_train) if n_ctx_train > 0 else per_seq
         if per_seq < 16:
             raise InvalidParameterError(f"n_ctx={params.n_ctx} over {params.n_seq} sequences leaves "
-                                        f"{per_seq} tokens each; raise n_ctx")
+                                        f"{per_seq} tokens each; raise n_ctx (--ctx)")
         n_ctx = per_seq * params.n_seq
         cp = lc.llama_context_default_params()
         cp.n_ctx = n_ctx
@@ -292,6 +297,17 @@ class LlamaModel:
 
     # ---- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
+        """Free the model once no call is using it (a server's worker may still be decoding)."""
+        if not (self._model or self._ctx or self._batch is not None):
+            return
+        lock = getattr(self, "lock", None)
+        if lock is None or sys.is_finalizing():  # half-built, or at exit, where a holder may be frozen
+            self._free()
+            return
+        with lock:
+            on_compute_thread(self._free)
+
+    def _free(self) -> None:
         lc = _llama_cpp()
         if self._batch is not None:
             lc.llama_batch_free(self._batch)
@@ -316,9 +332,13 @@ class LlamaModel:
             pass
 
     # ---- vocabulary -----------------------------------------------------------------------------
-    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+    def tokenize(self, text: str | bytes, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
         lc = _llama_cpp()
-        data = text.encode("utf-8")
+        try:
+            data = text if isinstance(text, bytes) else text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate, e.g. JSON's "\ud800"
+            raise InvalidParameterError(f"the text is not valid Unicode: a lone surrogate "
+                                        f"{text[exc.start]!r} at character {exc.start}") from None
         cap = len(data) + 8
         buf = (lc.llama_token * cap)()
         n = lc.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
@@ -426,6 +446,8 @@ class LlamaModel:
 
     def _run(self, parts: Sequence[tuple["Seq", Sequence[int], Sequence[int]]]) -> np.ndarray:
         """Fill the batch, decode, account; logits rows in batch order (a view). Caller holds the lock."""
+        if self._batch is None:
+            raise RuntimeError(f"{self.path.name} is closed")
         lc = _llama_cpp()
         b = self._batch
         i = n_rows = 0
@@ -525,7 +547,7 @@ class Seq:
         want = _rows(rows, n)
         if self.n_past + n > self.n_ctx:
             raise ContextOverflowError(
-                f"context window full: {self.n_past} + {n} tokens exceed n_ctx={self.n_ctx}"
+                f"context window full: {self.n_past} + {n} tokens exceed its {self.n_ctx}; raise n_ctx (--ctx)"
             )
         model = self.model
         out = None

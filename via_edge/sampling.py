@@ -54,8 +54,66 @@ def top_prob(row: np.ndarray) -> tuple[int, float]:
     return best, float(1.0 / np.exp(row - row[best], dtype=np.float32).sum(dtype=np.float64))
 
 
-def probs(row: np.ndarray, sp: SamplingParams) -> np.ndarray:
-    """The full-vocabulary distribution that `sp` samples from (float32, sums to 1).
+@dataclass(frozen=True)
+class Dist:
+    """A distribution to sample from, held on its support only: `p` over the sorted token ids
+    `ids`, or over the whole vocabulary (`ids` None, `p[token]`) when no filter cut it.
+
+    With top-k, top-p or min-p the support is a few dozen tokens, so drawing a token, reading
+    p(token) and forming the rejection residual cost that much, not a pass over 151,936 entries.
+    Draws walk the support in token order, as a full-vocabulary array would.
+    """
+
+    p: np.ndarray
+    ids: np.ndarray | None = None
+
+    def prob(self, token: int) -> float:
+        if self.ids is None:
+            return float(self.p[token])
+        j = int(np.searchsorted(self.ids, token))
+        return float(self.p[j]) if j < self.ids.size and self.ids[j] == token else 0.0
+
+    def sample(self, rng: np.random.Generator) -> int:
+        cum = np.cumsum(self.p, dtype=np.float64)
+        j = int(min(np.searchsorted(cum, rng.random() * cum[-1], side="right"), self.p.size - 1))
+        return j if self.ids is None else int(self.ids[j])
+
+    def residual(self, q: "Dist | None", token: int) -> "Dist":
+        """The sd rule's fallback after rejecting `token`: max(0, p - q) renormalised, where a q of
+        None is a point mass on `token`; p itself when nothing is left."""
+        r = np.array(self.p, dtype=np.float64)
+        if q is None:
+            at = token if self.ids is None else int(np.searchsorted(self.ids, token))
+            if at < r.size and (self.ids is None or self.ids[at] == token):
+                r[at] = 0.0
+        elif self.ids is None:
+            if q.ids is None:
+                r -= q.p
+            else:
+                r[q.ids] -= q.p
+        else:
+            r -= q.probs_at(self.ids)
+        np.maximum(r, 0.0, out=r)
+        total = r.sum()
+        return Dist(r / total, self.ids) if total > 0 else self
+
+    def probs_at(self, tokens: np.ndarray) -> np.ndarray:
+        if self.ids is None:
+            return self.p[tokens]
+        j = np.minimum(np.searchsorted(self.ids, tokens), self.ids.size - 1)
+        return np.where(self.ids[j] == tokens, self.p[j], 0.0)
+
+    def dense(self, n_vocab: int) -> np.ndarray:
+        """The full-vocabulary array (for tests and references)."""
+        if self.ids is None:
+            return np.asarray(self.p)
+        out = np.zeros(n_vocab, dtype=self.p.dtype)
+        out[self.ids] = self.p
+        return out
+
+
+def dist(row: np.ndarray, sp: SamplingParams) -> Dist:
+    """The distribution `sp` samples from for a logits row.
 
     Filters work on logits (the softmax is monotone), so top-k touches the row once and the
     softmax runs over the kept candidates only; only a bare temperature pays a full-row exp.
@@ -68,17 +126,16 @@ def probs(row: np.ndarray, sp: SamplingParams) -> np.ndarray:
     if sp.top_p < 1.0:
         cand = _top_p_keep(x, top, cand, sp.top_p)
     floor = top + np.float32(np.log(sp.min_p)) if sp.min_p > 0 else None  # p >= min_p * max p
+    if cand is None and floor is not None:
+        cand = np.flatnonzero(x >= floor)
     if cand is None:
         e = np.exp((x - top) / np.float32(sp.temperature))
-        if floor is not None:
-            e[x < floor] = 0.0
-        return e / np.float32(e.sum(dtype=np.float64))
+        return Dist(e / np.float32(e.sum(dtype=np.float64)))
+    cand = np.sort(cand)
     if floor is not None:
         cand = cand[x[cand] >= floor]
     e = np.exp((x[cand] - top) / np.float32(sp.temperature))
-    out = np.zeros(x.size, dtype=np.float32)
-    out[cand] = e / np.float32(e.sum(dtype=np.float64))
-    return out
+    return Dist(e / np.float32(e.sum(dtype=np.float64)), cand)
 
 
 def _top_p_keep(x: np.ndarray, top: np.float32, cand: np.ndarray | None, top_p: float) -> np.ndarray:
@@ -96,15 +153,3 @@ def _top_p_keep(x: np.ndarray, top: np.float32, cand: np.ndarray | None, top_p: 
         if hit < order.size or m >= idx.size:
             return idx[order[: min(hit + 1, order.size)]]
         m = min(m * 4, idx.size)
-
-
-def sample(p: np.ndarray, rng: np.random.Generator) -> int:
-    cum = np.cumsum(p, dtype=np.float64)
-    return int(min(np.searchsorted(cum, rng.random() * cum[-1], side="right"), p.size - 1))
-
-
-def pick(row: np.ndarray, sp: SamplingParams, rng: np.random.Generator) -> int:
-    """One token from a logits row: argmax when greedy, else a sample from `probs`."""
-    if sp.greedy:
-        return int(row.argmax())
-    return sample(probs(row, sp), rng)

@@ -13,7 +13,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from .llama import LlamaModel
-from .sampling import SamplingParams, probs, ratio_to_top, top_prob
+from .sampling import Dist, SamplingParams, dist, ratio_to_top, top_prob
 
 
 class Rows(Protocol):
@@ -68,8 +68,8 @@ class LogitRows:
     def top_prob(self, i: int) -> float:
         return top_prob(self.logits[i])[1]
 
-    def dist(self, i: int, sp: SamplingParams) -> np.ndarray:
-        return probs(self.logits[i], sp)
+    def dist(self, i: int, sp: SamplingParams) -> Dist:
+        return dist(self.logits[i], sp)
 
 
 class ScoredModel:

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,7 @@ from typing import Awaitable, Callable, Iterator, Literal, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 from .compat import DEFAULTS, respond
@@ -35,6 +37,12 @@ from .modes import MODE_NAMES
 from .sampling import SamplingParams
 
 MAX_BODY = 1 << 20
+
+
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    include_usage: bool = False
 
 
 class _Body(BaseModel):
@@ -52,6 +60,7 @@ class _Body(BaseModel):
     seed: StrictInt | None = None
     stop: Union[StrictStr, list[StrictStr], None] = None
     stream: bool = False
+    stream_options: _StreamOptions | None = None
     mode: Literal[MODE_NAMES] | None = None  # type: ignore[valid-type]
 
 
@@ -113,25 +122,32 @@ def _invalid(exc: ValidationError) -> _HTTPError:
 
 class _Gate:
     """The slots and the bounded queue in front of them (event-loop side; FIFO like asyncio's
-    Semaphore)."""
+    Semaphore). A request counts from its admission until it leaves the queue without a slot or
+    its slot is released; those beyond the slots are the queue."""
 
     def __init__(self, slots: int, max_queue: int) -> None:
-        self.slots, self.max_queue = asyncio.Semaphore(slots), max_queue
-        self.queued = 0
+        self.slots, self.n_slots, self.max_queue = asyncio.Semaphore(slots), slots, max_queue
+        self.admitted = 0
+
+    @property
+    def queued(self) -> int:
+        return max(0, self.admitted - self.n_slots)
 
     def admit(self) -> None:
-        """Count a request in, or refuse it with 503 when every slot is busy and the queue is full."""
-        if self.slots.locked() and self.queued >= self.max_queue:
+        """Count a request in, or refuse it with 503 when every slot is taken and the queue is full."""
+        if self.queued >= self.max_queue:
             raise _HTTPError(503, f"the server is busy: every slot is generating and {self.queued} requests "
                              f"are queued (--max-queue {self.max_queue}); retry shortly", kind="server_error",
                              code="server_busy")
-        self.queued += 1
+        self.admitted += 1
 
     async def enter(self, gone: Callable[[], Awaitable[bool]] | None = None) -> bool:
-        """Wait for a slot (False if `gone` says the client left first); leaves the queue either way."""
+        """Wait for a slot (False if `gone` says the client left first, and it is counted out)."""
+        taken = False
         try:
             if gone is None:
                 await self.slots.acquire()
+                taken = True
                 return True
             take = asyncio.ensure_future(self.slots.acquire())
             while not take.done():
@@ -142,9 +158,19 @@ class _Gate:
                         await take
                     if take.cancelled():
                         return False
+            taken = True
             return True
         finally:
-            self.queued -= 1
+            if not taken:
+                self.admitted -= 1
+
+    def release(self) -> None:
+        self.slots.release()
+        self.admitted -= 1
+
+    def forget(self) -> None:
+        """An admitted request that never asked for its slot."""
+        self.admitted -= 1
 
 
 def create_app(engine: Engine, *, max_body: int = MAX_BODY, max_tokens_limit: int = 4096, max_queue: int = 16,
@@ -197,6 +223,11 @@ def create_app(engine: Engine, *, max_body: int = MAX_BODY, max_tokens_limit: in
         out = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed", "mode", "stop")
                if getattr(body, k) is not None}
         out["max_tokens"] = mt if mt is not None else min(256, max_tokens_limit)
+        if body.stream_options is not None:
+            if not body.stream:
+                raise _HTTPError(400, "'stream_options' is only allowed when 'stream' is true",
+                                 param="stream_options")
+            out["include_usage"] = body.stream_options.include_usage
         sampling = {k: out[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed") if k in out}
         try:
             SamplingParams(**{k: DEFAULTS[k] for k in ("temperature", "top_p", "top_k", "min_p")} | sampling)
@@ -230,7 +261,7 @@ def create_app(engine: Engine, *, max_body: int = MAX_BODY, max_tokens_limit: in
         def run(fn: Callable[[], None]) -> asyncio.Future:
             """`fn` on a worker; the slot is free again once it has returned, however it ended."""
             future = loop.run_in_executor(workers, fn)
-            future.add_done_callback(lambda _f: gate.slots.release())
+            future.add_done_callback(lambda _f: gate.release())
             return future
 
         if not stream:
@@ -243,10 +274,13 @@ def create_app(engine: Engine, *, max_body: int = MAX_BODY, max_tokens_limit: in
                 box["out"] = make(cancel.is_set, arrived)
 
             task = run(work)
-            while not task.done():
-                if await request.is_disconnected():
-                    cancel.set()
-                await asyncio.wait({task}, timeout=0.05)
+            try:
+                while not task.done():
+                    if await request.is_disconnected():
+                        cancel.set()
+                    await asyncio.wait({task}, timeout=0.05)
+            finally:
+                cancel.set()  # whatever ended the wait (a shutdown cancels it) ends the generation too
             task.result()
             out = box["out"]
             finished(out["choices"][0]["finish_reason"])
@@ -255,18 +289,23 @@ def create_app(engine: Engine, *, max_body: int = MAX_BODY, max_tokens_limit: in
         queue: asyncio.Queue = asyncio.Queue()
 
         def produce() -> None:
-            last = None
+            finish = "cancelled"
             try:
                 for chunk in make(cancel.is_set, arrived):
-                    last = chunk
+                    if chunk["choices"]:  # not the usage chunk
+                        finish = chunk["choices"][0]["finish_reason"] or finish
                     loop.call_soon_threadsafe(queue.put_nowait, ("data", chunk))
             except ViaEdgeError as exc:
                 loop.call_soon_threadsafe(queue.put_nowait, ("error", str(exc)))
             finally:
-                finished(last["choices"][0]["finish_reason"] if last else "cancelled")
                 loop.call_soon_threadsafe(queue.put_nowait, ("end", None))
+                finished(finish)
+
+        started = False
 
         async def events():
+            nonlocal started
+            started = True
             if not await gate.enter():  # cancelled here (the client left) it leaves the queue too
                 return
             run(produce)
@@ -283,7 +322,13 @@ def create_app(engine: Engine, *, max_body: int = MAX_BODY, max_tokens_limit: in
             finally:
                 cancel.set()  # the client is gone (or the stream ended): the worker stops at its next token
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        def cleanup() -> None:
+            """Runs however the response ended: a client gone before the body began leaves no count behind."""
+            cancel.set()
+            if not started:
+                gate.forget()
+
+        return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(cleanup))
 
     @app.exception_handler(_HTTPError)
     async def _http_error(_request, exc: _HTTPError):
@@ -376,9 +421,22 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run(engine: Engine, sock: socket.socket, on_ready: Callable[[], None] | None = None, **kwargs) -> None:
+def run(engine: Engine, sock: socket.socket, on_ready: Callable[[], None] | None = None, drain: float = 10.0,
+        **kwargs) -> None:
+    """Serve until SIGTERM or Ctrl-C, then let running generations finish for up to `drain`
+    seconds (saying how many), and cancel what is left."""
     import uvicorn
 
-    config = uvicorn.Config(create_app(engine, on_ready=on_ready, **kwargs), log_level="warning")
-    uvicorn.Server(config).run(sockets=[sock])
+    app = create_app(engine, on_ready=on_ready, **kwargs)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:
+            if not self.should_exit and (engine.slots_busy or app.state.gate.queued):
+                sys.stderr.write(f"via-edge: stopping; {engine.slots_busy} running generations may finish for "
+                                 f"up to {drain:g} s, {app.state.gate.queued} queued requests are dropped\n")
+                sys.stderr.flush()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=drain)
+    Server(config).run(sockets=[sock])
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import LayerSpecError, ModelFileError, ViaEdgeError
+from .files import writable_dir
 from .gguf_info import field_value, open_reader
 from .models import model_dir, sha256_cached as target_sha256
 
@@ -33,8 +34,9 @@ SLIM_FORMAT = 2  # bump when what build_slim writes changes, so stale cached sli
 STATE_MAGIC = 0xAF143CD8  # llama-context.cpp io_magic, heads llama_state_seq_get_data
 
 
-def parse_layers(spec: str, n_block: int) -> tuple[int, ...]:
-    """`0-20` or `0-3,14-27` to block indices; strictly increasing, within 0..n_block-1."""
+def parse_layers(spec: str, n_block: int | None) -> tuple[int, ...]:
+    """`0-20` or `0-3,14-27` to block indices; strictly increasing, within 0..n_block-1
+    (`None`: the syntax alone, before the model's header has been read)."""
     if not spec or not spec.strip():
         raise LayerSpecError("layer set is empty; write it like 0-20 or 0-3,14-27")
     out: list[int] = []
@@ -47,7 +49,7 @@ def parse_layers(spec: str, n_block: int) -> tuple[int, ...]:
         if hi < lo:
             raise LayerSpecError(f"layer range '{part.strip()}' runs backwards")
         for i in range(lo, hi + 1):
-            if i >= n_block:
+            if n_block is not None and i >= n_block:
                 raise LayerSpecError(f"layer {i} is out of range: the model has blocks 0-{n_block - 1}")
             if out and i == out[-1]:
                 raise LayerSpecError(f"layer {i} appears twice in '{spec}'")
@@ -136,7 +138,7 @@ def build_slim(target: str | os.PathLike, spec: str, out: str | os.PathLike | No
         if out is not None:  # never replace a file that is not this very slim, never report it built
             raise ModelFileError(f"{dest} exists and is not the slim {format_layers(layers)} of {target.name}; "
                                  "remove it or choose another --out")
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    writable_dir(dest.parent, f"the slim {format_layers(layers)} of {target.name}")
     tmp = dest.with_name(dest.name + ".partial")
     renumber = {old: new for new, old in enumerate(layers)}
 
@@ -204,7 +206,7 @@ def build_f32(source: str | os.PathLike) -> Path:
     dest = parent / f"{source.stem}.f32-{target_sha256(source)[:12]}.gguf"
     if dest.exists():
         return dest
-    parent.mkdir(parents=True, exist_ok=True)
+    writable_dir(parent, f"the F32 copy of {source.name}")
     tmp = dest.with_name(dest.name + ".partial")
     writer = gguf.GGUFWriter(str(tmp), arch)
     for fld in reader.fields.values():

@@ -39,6 +39,7 @@ class TunedConfig:
     summary: str = ""                          # one line: what was chosen and why
     target_format: str = "shipped"             # weight format of the target (formats.py recipe)
     draft_format: str = "shipped"              # and of the draft model
+    formats: list[str] = field(default_factory=list)  # the formats the tune tried
 
     def spec(self, mode: str | None = None) -> SpecParams:
         known = {f.name for f in fields(SpecParams)}
@@ -63,3 +64,15 @@ def load_choice(pair: str) -> TunedConfig | None:
         return TunedConfig(**{f.name: data[f.name] for f in fields(TunedConfig) if f.name in data})
     except TypeError as exc:
         raise ViaEdgeError(f"{path} is not a tuned configuration ({exc}); run `via-edge tune` again") from exc
+
+
+def all_choices() -> list[TunedConfig]:
+    """Every stored choice, of any pair, machine or build (what derived files they keep in use)."""
+    out = []
+    for path in sorted(tuned_dir().glob("*.choice.json")):
+        try:
+            data = read_json(path)
+            out.append(TunedConfig(**{f.name: data[f.name] for f in fields(TunedConfig) if f.name in data}))
+        except (ViaEdgeError, TypeError):
+            continue  # unreadable: load_choice says so where it matters
+    return out

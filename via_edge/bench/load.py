@@ -102,7 +102,8 @@ def _ask(client, model: str, prompt: str, max_tokens: int) -> tuple[float, float
     t0 = time.perf_counter()
     ttft, tokens, text = None, 0, []
     for chunk in client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                                max_tokens=max_tokens, temperature=0, stream=True):
+                                                max_tokens=max_tokens, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}):
         if chunk.choices and chunk.choices[0].delta.content:
             ttft = ttft if ttft is not None else time.perf_counter() - t0
             text.append(chunk.choices[0].delta.content)

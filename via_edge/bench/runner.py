@@ -138,35 +138,45 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
         warm = engine.tokens_for(WARMUP, True)
         for method in methods:
             run_one(method, warm)
+        def results_of(runs: list[dict], done: int) -> dict:
+            meta = {
+                "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                "command": cfg.command, "machine": {**machine(), "threads_used": threads},
+                "versions": versions(), "models": model_facts(engine) | (
+                    {f"{role}:tuned": facts for role, facts in model_facts(tuned).items()
+                     if role == "slim" or other_format} if tuned else {}),
+                "params": {**{k: v for k, v in asdict(cfg).items() if k not in ("spec", "command")},
+                           "spec": {m: asdict(engine.spec) for m in cfg.modes} | (
+                               {f"{m}:tuned": asdict(tuned.mode_specs.get(m, tuned.spec)) for m in cfg.modes
+                                if m != "ar"} if tuned else {}),
+                           "tuned": tuned.tuned.to_dict() if tuned else None, "exact_kernels": cfg.exact,
+                           "f32_weights": cfg.f32, "pair": engine_pair_name(cfg.pair)},
+                "methods": methods, "formats": formats,
+                "prompts": [{"id": p.id, "category": p.category, "text": p.text[:200]} for p in prompts[:done]],
+            }
+            results = {"meta": meta, "runs": runs}
+            results["summary"] = summarize(results)
+            return results
+
         bar = Progress(len(prompts) * len(methods), quiet)
-        runs = []
-        for i, prompt in enumerate(prompts):
-            tokens = prompt_tokens(engine, prompt)
-            order = methods[i % len(methods):] + methods[: i % len(methods)]
-            for position, method in enumerate(order):
-                r = run_one(method, tokens)
-                r.update(prompt_id=prompt.id, category=prompt.category, method=method, order=position,
-                         prompt_tokens=len(tokens), generated_tokens=len(r["tokens"]))
-                runs.append(r)
-                bar.step(f"{prompt.category}/{prompt.id} {method}")
-        meta = {
-            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "command": cfg.command, "machine": {**machine(), "threads_used": threads},
-            "versions": versions(), "models": model_facts(engine) | (
-                {f"{role}:tuned": facts for role, facts in model_facts(tuned).items()
-                 if role == "slim" or other_format} if tuned else {}),
-            "params": {**{k: v for k, v in asdict(cfg).items() if k not in ("spec", "command")},
-                       "spec": {m: asdict(engine.spec) for m in cfg.modes} | (
-                           {f"{m}:tuned": asdict(tuned.mode_specs.get(m, tuned.spec)) for m in cfg.modes if m != "ar"}
-                           if tuned else {}),
-                       "tuned": tuned.tuned.to_dict() if tuned else None, "exact_kernels": cfg.exact, "f32_weights": cfg.f32,
-                       "pair": engine_pair_name(cfg.pair)},
-            "methods": methods, "formats": formats,
-            "prompts": [{"id": p.id, "category": p.category, "text": p.text[:200]} for p in prompts],
-        }
-        results = {"meta": meta, "runs": runs}
-        results["summary"] = summarize(results)
-        return results
+        runs: list[dict] = []
+        done = 0  # prompts every method has run on: a partial result compares only those
+        try:
+            for i, prompt in enumerate(prompts):
+                tokens = prompt_tokens(engine, prompt)
+                order = methods[i % len(methods):] + methods[: i % len(methods)]
+                for position, method in enumerate(order):
+                    r = run_one(method, tokens)
+                    r.update(prompt_id=prompt.id, category=prompt.category, method=method, order=position,
+                             prompt_tokens=len(tokens), generated_tokens=len(r["tokens"]))
+                    runs.append(r)
+                    bar.step(f"{prompt.category}/{prompt.id} {method}")
+                done = i + 1
+        except KeyboardInterrupt as exc:
+            if done:  # what finished is kept: the caller writes it as results.partial.json
+                exc.partial = results_of(runs[:done * len(methods)], done)  # type: ignore[attr-defined]
+            raise
+        return results_of(runs, done)
     finally:
         for p in peers:
             p.close()

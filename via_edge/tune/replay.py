@@ -96,33 +96,45 @@ class TraceRows:
         raise NotImplementedError("traces record greedy decisions only")
 
 
-class TraceModel:
+class MeteredKV:
+    """What a replayed model's KV cache holds and what each call costs: `LlamaModel.eval`'s
+    prefix rule, priced by the meter. Subclasses answer the calls (`_rows`)."""
+
+    def __init__(self, role: str, name: str, meter: Meter, tokens: Sequence[int]) -> None:
+        self.role, self.name, self.meter = role, name, meter
+        self.tokens: list[int] = list(tokens)
+
+    def eval(self, tokens: Sequence[int], n_rows: int = 1):
+        keep = reuse_point(self.tokens, tokens, n_rows)
+        self.meter.charge(self.role, self.name, len(tokens) - keep, keep)
+        self.tokens = list(tokens)
+        return self._rows(tokens, n_rows)
+
+    def decode(self, tokens: Sequence[int]):
+        self.meter.charge(self.role, self.name, len(tokens), len(self.tokens))
+        self.tokens += tokens
+        return self._rows(self.tokens, 1)
+
+    def _rows(self, tokens: Sequence[int], n_rows: int):
+        raise NotImplementedError
+
+
+class TraceModel(MeteredKV):
     """One model of the pair along one trace: what it predicts at each position of the target's
     greedy output (`top`), its score there (`score`: the draft's top probability, or the slim's
     ratio for the draft's token), and what it costs."""
 
     def __init__(self, role: str, name: str, seq: list[int], p0: int, top: Sequence[int], score: Sequence[float],
                  meter: Meter, eog: frozenset[int], n_ctx: int, placeholders: Iterator) -> None:
-        self.role, self.name, self.seq, self.p0 = role, name, seq, p0
+        super().__init__(role, name, meter, seq[:p0 - 1])  # Engine._prefill leaves models holding prompt[:-1]
+        self.seq, self.p0 = seq, p0
         self.top, self.score = top, score
-        self.meter, self.eog, self.n_ctx, self.placeholders = meter, eog, n_ctx, placeholders
-        self.tokens: list[int] = list(seq[:p0 - 1])  # Engine._prefill leaves every model holding prompt[:-1]
+        self.eog, self.n_ctx, self.placeholders = eog, n_ctx, placeholders
 
     def _rows(self, tokens: Sequence[int], n_rows: int) -> TraceRows:
         # row i follows tokens[:len - n_rows + i + 1]; it is on the trace while that prefix is
         on = common_prefix(self.seq, tokens) - self.p0 + 1
         return TraceRows(self, len(tokens) - n_rows + 1 - self.p0, on, n_rows)
-
-    def eval(self, tokens: Sequence[int], n_rows: int = 1) -> TraceRows:
-        keep = reuse_point(self.tokens, tokens, n_rows)
-        self.meter.charge(self.role, self.name, len(tokens) - keep, keep)
-        self.tokens = list(tokens)
-        return self._rows(tokens, n_rows)
-
-    def decode(self, tokens: Sequence[int]) -> TraceRows:
-        self.meter.charge(self.role, self.name, len(tokens), len(self.tokens))
-        self.tokens += tokens
-        return self._rows(self.tokens, 1)
 
     def is_eog(self, token: int) -> bool:
         return token in self.eog

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from .. import formats
-from ..errors import InvalidParameterError
+from ..errors import InvalidParameterError, ViaEdgeError
 from ..llama import LlamaModel, LoadParams
 from ..files import write_json
 from ..machine import build
@@ -139,7 +139,7 @@ def qualities(source: Path, variants: Mapping[str, Path], prompts: Sequence[list
             write_json(cache_path(name), {"source": source.name, "format": name, "kernels": kernels,
                                           "continuation": continuation, "prompts": len(prompts),
                                           "quality": {k: v for k, v in q.to_dict().items() if k != "ppl_ratio"}})
-        except OSError:
+        except (OSError, ViaEdgeError):
             pass  # a read-only model directory: measured again next time
     return out
 

@@ -30,13 +30,14 @@ from .. import models as catalog
 from ..bench.metrics import fidelity, geomean
 from ..decoding import SpecParams
 from ..engine import Engine
-from ..errors import InvalidParameterError
+from ..derived import derived_files, in_use, remove
+from ..errors import InvalidParameterError, ViaEdgeError
 from ..gguf_info import read_info
 from ..llama import LlamaModel, LoadParams, default_threads
 from ..machine import machine, machine_key, versions
 from ..slim import build_slim, format_layers, is_prefix
 from ..files import write_json
-from ..tuned import TunedConfig, tuned_path
+from ..tuned import TunedConfig, load_choice, tuned_path
 from . import profile as prof
 from .choose import MEASURED_MARGIN, PREDICTED_MARGIN, Candidate, best_per_mode, choose, frontier, grid, predict
 from ..prompts import chat_tokens
@@ -63,6 +64,7 @@ class TuneConfig:
     threads: int | None = None
     formats: tuple[str, ...] = field(default_factory=formats.default_formats)  # tried (shipped always)
     quality_floor: float = QUALITY_FLOOR  # a format's teacher-forced agreement with the shipped file
+    replace: bool = False          # replace a stored choice made over formats this run does not try
     load: dict = field(default_factory=dict)  # extra LoadParams (tests: exact kernels)
     out: Path | None = None        # report folder (default: next to the tuned files)
 
@@ -87,11 +89,18 @@ def tune(cfg: TuneConfig, quiet: bool = False) -> dict:
         raise InvalidParameterError(f"--slim-budget must be in (0, 1), got {cfg.slim_budget}")
     check_floor(cfg.quality_floor)
     formats.check_names(list(cfg.formats))
+    stored = load_choice(name)
+    missing = sorted(set(stored.formats) - set(cfg.formats)) if stored else []
+    if missing and not cfg.replace:
+        raise ViaEdgeError(f"the tuned choice for {name} on this machine was made over the formats "
+                           f"{', '.join(stored.formats)}; this run would not try {', '.join(missing)}, so "
+                           "it may not replace that choice: add --replace to replace it anyway")
     threads = cfg.threads or default_threads()
     load = LoadParams(n_ctx=cfg.n_ctx, n_threads=threads, **cfg.load)
     target_path = catalog.resolve(pair["target"], pull_missing=True)
     draft_path = (catalog.resolve(pair["draft"], pull_missing=True) if pair.get("draft")
                   else build_slim(target_path, pair["draft_layers"]))
+    before = {d.path for d in derived_files()}  # what this run makes and does not choose is removed
     t_start = time.monotonic()
     timings: dict[str, float] = {}
     if read_info(target_path).block_count < 2:
@@ -239,7 +248,8 @@ def tune(cfg: TuneConfig, quiet: bool = False) -> dict:
         below = {}
     modes = {m: asdict(c.spec) for m, c in {**best, **below}.items()}
     choice = TunedConfig(name, final.mode, slim_layers, modes, why, target_format=final.format,
-                         draft_format=draft_fmt.format if draft_fmt else formats.SHIPPED)
+                         draft_format=draft_fmt.format if draft_fmt else formats.SHIPPED,
+                         formats=sorted(set(cfg.formats) | {formats.SHIPPED}))
     timings["total"] = time.monotonic() - t_start
     result = {
         "meta": {"date": _now(), "pair": name, "machine": {**machine(), "threads_used": threads,
@@ -265,6 +275,14 @@ def tune(cfg: TuneConfig, quiet: bool = False) -> dict:
     }
     write_json(tuned_path(name, "choice"), choice.to_dict())
     result["paths"] = {"profile": str(tuned_path(name, "profile")), "choice": str(tuned_path(name, "choice"))}
+    made = derived_files()
+    used = in_use(made)
+    dropped = [d for d in made if d.path not in before and d.path not in used]
+    freed = sum(remove(d.path) for d in dropped)
+    if dropped:
+        log(f"removed {len(dropped)} files this run made and did not choose ({freed / 1e9:.1f} GB): "
+            + ", ".join(d.kind for d in dropped))
+    result["removed"] = [str(d.path) for d in dropped]
     return result
 
 

@@ -1,0 +1,113 @@
+"""`compat.Llama` as a drop-in for llama-cpp-python's `Llama`, checked against theirs on the same
+file (SmolLM2's F32 copy, where batched and single-token kernels agree, so greedy text must too)."""
+
+from functools import partial
+
+import pytest
+
+from via_edge.compat import Llama
+from via_edge.llama import on_compute_thread
+from via_edge.slim import build_f32
+
+PROMPT = "The three primary colors are"
+MESSAGES = [{"role": "user", "content": "Name three animals that live in the sea."}]
+
+
+@pytest.fixture(scope="module")
+def f32(smollm2):
+    return build_f32(smollm2)
+
+
+class Theirs:
+    """llama-cpp-python's Llama, every call on via-edge's compute thread: a decode from another
+    thread would start a second OpenMP team, and then every decode in this process runs at a
+    fraction of its speed (see llama._ComputeThread). Streams are read there, whole."""
+
+    def __init__(self, path):
+        import llama_cpp
+
+        self.llm = on_compute_thread(partial(llama_cpp.Llama, model_path=str(path), n_ctx=1024, n_threads=2,
+                                             verbose=False))
+
+    def __getattr__(self, name):
+        method = getattr(self.llm, name)
+
+        def call(*a, **k):
+            if k.get("stream"):
+                return on_compute_thread(lambda: list(method(*a, **k)))
+            return on_compute_thread(partial(method, *a, **k))
+
+        return call
+
+
+@pytest.fixture(scope="module")
+def theirs(f32):
+    t = Theirs(f32)
+    yield t
+    t.close()
+
+
+@pytest.fixture(scope="module")
+def ours(f32):
+    with Llama(model_path=str(f32), n_ctx=1024, n_threads=2, verbose=False) as llm:
+        yield llm
+
+
+def test_completion_has_their_shape_and_greedy_text(ours, theirs):
+    mine = ours(PROMPT, max_tokens=24, temperature=0)  # the call syntax
+    want = theirs.create_completion(PROMPT, max_tokens=24, temperature=0)
+    assert set(want) <= set(mine) and set(want["choices"][0]) == set(mine["choices"][0])
+    assert mine["object"] == want["object"] == "text_completion"
+    assert mine["choices"][0]["text"] == want["choices"][0]["text"]
+    assert mine["usage"] == want["usage"] and mine["choices"][0]["finish_reason"] == "length"
+
+
+def test_echo_puts_the_prompt_first(ours, theirs):
+    mine = ours.create_completion(PROMPT, max_tokens=8, temperature=0, echo=True)["choices"][0]["text"]
+    assert mine.startswith(PROMPT) and mine == theirs.create_completion(PROMPT, max_tokens=8, temperature=0,
+                                                                          echo=True)["choices"][0]["text"]
+    chunks = list(ours.create_completion(PROMPT, max_tokens=8, temperature=0, echo=True, stream=True))
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == mine
+
+
+def test_chat_runs_to_the_end_of_the_answer_without_a_token_cap(ours, theirs):
+    """Theirs has no 16-token default for chat: the answer ends by itself (or at the context)."""
+    mine = ours.create_chat_completion(MESSAGES, temperature=0)
+    want = theirs.create_chat_completion(MESSAGES, temperature=0)
+    assert mine["usage"]["completion_tokens"] > 16 and mine["choices"][0]["finish_reason"] == "stop"
+    assert mine["choices"][0]["message"] == want["choices"][0]["message"]
+    assert set(want["choices"][0]) == set(mine["choices"][0]) and mine["usage"] == want["usage"]
+
+
+def test_streamed_chunks_have_their_keys(ours, theirs):
+    mine = list(ours.create_chat_completion(MESSAGES, max_tokens=12, temperature=0, stream=True))
+    want = list(theirs.create_chat_completion(MESSAGES, max_tokens=12, temperature=0, stream=True))
+    assert [set(c) - {"timings"} for c in mine] == [set(c) for c in want]
+    text = ["".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) for chunks in (mine, want)]
+    assert text[0] == text[1] and mine[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("text", [b"Hello world", "h\xe9llo \u4e16\u754c \U0001f389".encode(), b"<|im_start|>user"])
+@pytest.mark.parametrize("add_bos,special", [(True, False), (False, True)])
+def test_tokenize_and_detokenize_are_theirs(ours, theirs, text, add_bos, special):
+    tokens = ours.tokenize(text, add_bos=add_bos, special=special)
+    assert tokens == theirs.tokenize(text, add_bos=add_bos, special=special)
+    assert ours.detokenize(tokens, special=special) == theirs.detokenize(tokens, special=special)
+
+
+@pytest.mark.parametrize("kwargs", [dict(logprobs=3), dict(logit_bias={5: 2.0}), dict(repeat_penalty=1.1),
+                                    dict(presence_penalty=0.5), dict(frequency_penalty=0.5), dict(suffix="x"),
+                                    dict(grammar="root ::= \"a\""), dict(mirostat_mode=2)])
+def test_what_is_not_supported_is_refused_by_name(ours, kwargs):
+    (name,) = kwargs
+    with pytest.raises(ValueError, match=f"'{name}' is not supported"):
+        ours.create_completion(PROMPT, max_tokens=4, **kwargs)
+    ours.create_completion(PROMPT, max_tokens=4, repeat_penalty=1.0, logprobs=None)  # their defaults pass
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(embedding=True), "'embedding' is not supported"),
+                                          (dict(lora_path="a.gguf"), "'lora_path' is not supported"),
+                                          (dict(n_gpu_layer=3), "unknown argument 'n_gpu_layer'")])
+def test_constructor_refuses_what_it_cannot_honour(f32, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Llama(model_path=str(f32), **kwargs)
