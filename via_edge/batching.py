@@ -26,7 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import ContextOverflowError
-from .llama import LlamaModel, Seq, _rows
+from .llama import LlamaModel, Seq, row_indices
 
 DEFAULT_PARALLEL = 4  # the server's slots: measured in docs/benchmarks.md section 17
 
@@ -184,7 +184,7 @@ class BatchedSeq:
     def decode(self, tokens: Sequence[int], rows: Sequence[int] | str = "last") -> np.ndarray:
         if not tokens:
             raise ValueError("decode needs at least one token")
-        return self.scheduler.call(self.seq, tokens, _rows(rows, len(tokens)))
+        return self.scheduler.call(self.seq, tokens, row_indices(rows, len(tokens)))
 
     def eval(self, tokens: Sequence[int], n_rows: int = 1) -> np.ndarray:
         missing, rows = self.seq.plan_eval(tokens, n_rows)

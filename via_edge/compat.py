@@ -12,6 +12,7 @@ from typing import Iterator, Mapping, Sequence
 from .engine import Engine, Result, Stream
 from .errors import InvalidParameterError
 from .modes import DEFAULT_MODE
+from .sampling import SAMPLING_NAMES
 
 # llama-cpp-python's create_completion defaults, so a switched program behaves the same
 DEFAULTS = dict(max_tokens=16, temperature=0.8, top_p=0.95, top_k=40, min_p=0.05)
@@ -54,8 +55,7 @@ def _params(kwargs: dict) -> dict:
     do is refused by name (ValueError), never ignored."""
     out = {k: v for k, v in DEFAULTS.items()}
     for key, value in kwargs.items():
-        if key in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "mode", "spec", "should_stop",
-                   "arrived"):
+        if key in (*SAMPLING_NAMES, "max_tokens", "mode", "spec", "should_stop", "arrived"):
             if value is not None:
                 out[key] = value
         elif key == "stop":

@@ -400,6 +400,13 @@ class Engine:
     def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         return chat_tokens(self.target, messages)
 
+    def check_fits(self, tokens: Sequence[int]) -> None:
+        """A prompt must leave one slot's context room for at least one new token."""
+        if len(tokens) >= self.target.n_ctx:
+            per = f" per slot ({self.n_parallel} slots)" if self.n_parallel > 1 else ""
+            raise ContextOverflowError(f"the prompt has {len(tokens)} tokens but the context window holds "
+                                       f"{self.target.n_ctx}{per}; shorten it or raise n_ctx (--ctx)")
+
     def tokens_for(self, prompt: str | Sequence[int], chat_template: bool) -> list[int]:
         if not isinstance(prompt, str):
             return list(prompt)
@@ -460,9 +467,7 @@ class Engine:
         tokens = self.tokens_for(prompt, chat_template)
         if not tokens:
             raise InvalidParameterError("the prompt is empty")
-        if len(tokens) >= self.target.n_ctx:
-            raise ContextOverflowError(f"the prompt has {len(tokens)} tokens but the context window holds "
-                                       f"{self.target.n_ctx}; shorten it or raise n_ctx (--ctx)")
+        self.check_fits(tokens)
         spec = spec or self.mode_specs.get(mode) or self.spec
         empty = Result("", [], [], [], "cancelled", Stats(prompt_tokens=len(tokens)), mode, len(tokens))
         return Stream(lambda box: self._run(box, tokens, mode, sp, max_tokens, stop, spec, should_stop,

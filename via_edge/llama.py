@@ -368,12 +368,6 @@ class LlamaModel:
     def is_eog(self, token: int) -> bool:
         return bool(_llama_cpp().llama_vocab_is_eog(self._vocab, token))
 
-    def meta(self, key: str) -> str | None:
-        lc = _llama_cpp()
-        buf = ctypes.create_string_buffer(1 << 16)
-        n = lc.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", "replace") if n >= 0 else None
-
     @property
     def chat_template(self) -> str | None:
         raw = _llama_cpp().llama_model_chat_template(self._model, None)
@@ -544,7 +538,7 @@ class Seq:
         n = len(tokens)
         if n == 0:
             raise ValueError("decode needs at least one token")
-        want = _rows(rows, n)
+        want = row_indices(rows, n)
         if self.n_past + n > self.n_ctx:
             raise ContextOverflowError(
                 f"context window full: {self.n_past} + {n} tokens exceed its {self.n_ctx}; raise n_ctx (--ctx)"
@@ -618,7 +612,8 @@ class Seq:
         self.tokens = list(tokens)
 
 
-def _rows(rows: Sequence[int] | str, n: int) -> list[int]:
+def row_indices(rows: Sequence[int] | str, n: int) -> list[int]:
+    """Which of `n` decoded tokens get logits: "last", "all", "none" or the indices given."""
     if rows == "last":
         return [n - 1]
     if rows == "all":

@@ -8,7 +8,7 @@ keeps the Leviathan/Chen acceptance rule exact for the filtered distribution.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -42,6 +42,9 @@ class SamplingParams:
     def rng(self) -> np.random.Generator:
         return np.random.default_rng(self.seed)
 
+
+
+SAMPLING_NAMES = tuple(f.name for f in fields(SamplingParams))  # how every surface spells them
 
 def ratio_to_top(row: np.ndarray, token: int) -> float:
     """p(token) / max p under the untempered softmax: a confidence score that needs no full softmax."""

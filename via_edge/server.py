@@ -32,9 +32,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 
 from .compat import DEFAULTS, respond
 from .engine import Engine
-from .errors import ViaEdgeError
+from .errors import ContextOverflowError, ViaEdgeError
 from .modes import MODE_NAMES
-from .sampling import SamplingParams
+from .sampling import SAMPLING_NAMES, SamplingParams
 
 MAX_BODY = 1 << 20
 
@@ -220,7 +220,7 @@ def create_app(engine: Engine, *, max_body: int = MAX_BODY, max_tokens_limit: in
             raise _HTTPError(400, f"max_tokens must be a positive integer, got {mt}", param="max_tokens")
         if mt is not None and mt > max_tokens_limit:
             raise _HTTPError(400, f"max_tokens may be at most {max_tokens_limit}, got {mt}", param="max_tokens")
-        out = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed", "mode", "stop")
+        out = {k: getattr(body, k) for k in (*SAMPLING_NAMES, "mode", "stop")
                if getattr(body, k) is not None}
         out["max_tokens"] = mt if mt is not None else min(256, max_tokens_limit)
         if body.stream_options is not None:
@@ -228,18 +228,18 @@ def create_app(engine: Engine, *, max_body: int = MAX_BODY, max_tokens_limit: in
                 raise _HTTPError(400, "'stream_options' is only allowed when 'stream' is true",
                                  param="stream_options")
             out["include_usage"] = body.stream_options.include_usage
-        sampling = {k: out[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed") if k in out}
+        sampling = {k: out[k] for k in SAMPLING_NAMES if k in out}
         try:
-            SamplingParams(**{k: DEFAULTS[k] for k in ("temperature", "top_p", "top_k", "min_p")} | sampling)
+            SamplingParams(**{k: DEFAULTS[k] for k in SAMPLING_NAMES if k in DEFAULTS} | sampling)
         except ViaEdgeError as exc:
             raise _HTTPError(400, str(exc), param=str(exc).split(" ", 1)[0], code="invalid_value") from exc
         return out
 
     def fits(tokens: list[int]) -> list[int]:
-        if len(tokens) >= engine.target.n_ctx:
-            per = f" per slot ({engine.n_parallel} slots)" if engine.n_parallel > 1 else ""
-            raise _HTTPError(400, f"the prompt has {len(tokens)} tokens but the context window holds "
-                             f"{engine.target.n_ctx}{per}", param="prompt", code="context_length_exceeded")
+        try:
+            engine.check_fits(tokens)
+        except ContextOverflowError as exc:
+            raise _HTTPError(400, str(exc), param="prompt", code="context_length_exceeded") from exc
         return tokens
 
     def parse(model: type[_Body], data: dict) -> _Body:
