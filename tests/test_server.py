@@ -17,6 +17,8 @@ import pytest
 from conftest import EXACT  # noqa: F401  (the server below runs the exact flags)
 from via_edge import Engine
 
+# a streamed completion that runs far longer than any test waits for it
+ENDLESS = {"prompt": "Count from one to one thousand:", "max_tokens": 3000, "stream": True, "temperature": 0}
 PROMPTS = [f"prompt number {i}: tell me about {w}" for i, w in
            enumerate(["cats", "dogs", "rain", "code", "tea", "maps", "jazz", "snow"])]
 
@@ -133,11 +135,10 @@ def test_cancel_frees_the_slot_and_a_full_queue_gets_503(smollm2):
     fourth gets an OpenAI-shaped 503 at once. Hanging up one stream frees its slot for the queued
     request, while the other stream keeps going; then the server serves as before."""
     proc, base = start(["--target", smollm2, "--mode", "ar", "--parallel", "2", "--max-queue", "1"])
-    endless = {"prompt": "Count from one to one thousand:", "max_tokens": 3000, "stream": True, "temperature": 0}
     try:
         with httpx.Client(timeout=120) as http, contextlib.ExitStack() as stack:
-            a = stack.enter_context(http.stream("POST", base + "/v1/completions", json=endless))
-            b = stack.enter_context(http.stream("POST", base + "/v1/completions", json=endless))
+            a = stack.enter_context(http.stream("POST", base + "/v1/completions", json=ENDLESS))
+            b = stack.enter_context(http.stream("POST", base + "/v1/completions", json=ENDLESS))
             a_lines, b_lines = a.iter_lines(), b.iter_lines()
             next(a_lines), next(b_lines)  # both generating: the two slots are taken
             queued = concurrent.futures.ThreadPoolExecutor(1).submit(
@@ -192,8 +193,7 @@ def test_bad_requests_are_clean_4xx(client, server):
 def test_closing_the_connection_cancels(smollm2):
     proc, base = start(["--target", smollm2, "--mode", "ar", "--ctx", "4096"])
     try:
-        body = {"model": "via-edge", "prompt": "Count from one to one thousand:", "max_tokens": 3000,
-                "stream": True, "temperature": 0}
+        body = {"model": "via-edge", **ENDLESS}
         with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
             for _ in r.iter_lines():
                 break  # one chunk, then hang up
@@ -276,7 +276,6 @@ def test_a_burst_fills_the_slots_and_exactly_max_queue_more(smollm2):
     503 saying 2 are queued (requests admitted together once all counted as queued, or as
     running before they ran). Streams that hang up while queued leave the count."""
     proc, base = start(["--target", smollm2, "--mode", "ar", "--parallel", "1", "--max-queue", "2"])
-    endless = {"prompt": "Count from one to one thousand:", "max_tokens": 3000, "stream": True, "temperature": 0}
     try:
         with httpx.Client(timeout=120, limits=httpx.Limits(max_connections=10)) as http, \
                 contextlib.ExitStack() as stack:
@@ -284,7 +283,7 @@ def test_a_burst_fills_the_slots_and_exactly_max_queue_more(smollm2):
 
             def open_one(_i):
                 together.wait()
-                return stack.enter_context(http.stream("POST", base + "/v1/completions", json=endless))
+                return stack.enter_context(http.stream("POST", base + "/v1/completions", json=ENDLESS))
 
             with concurrent.futures.ThreadPoolExecutor(5) as pool:
                 replies = list(pool.map(open_one, range(5)))
@@ -336,8 +335,7 @@ def test_sigterm_drains_for_a_bounded_time_then_cancels(smollm2):
     """A running generation may finish for --drain seconds after SIGTERM; then it is cancelled
     and the server exits, saying what it waited for (it once waited silently for 43 s)."""
     proc, base = start(["--target", smollm2, "--mode", "ar", "--parallel", "1", "--drain", "2"])
-    endless = {"prompt": "Count from one to one thousand:", "max_tokens": 3000, "stream": True, "temperature": 0}
-    with httpx.stream("POST", base + "/v1/completions", json=endless, timeout=60) as r:
+    with httpx.stream("POST", base + "/v1/completions", json=ENDLESS, timeout=60) as r:
         lines = r.iter_lines()
         next(lines)
         t0 = time.time()

@@ -162,14 +162,14 @@ class _Gate:
             return True
         finally:
             if not taken:
-                self.admitted -= 1
+                self.forget()
 
     def release(self) -> None:
         self.slots.release()
-        self.admitted -= 1
+        self.forget()
 
     def forget(self) -> None:
-        """An admitted request that never asked for its slot."""
+        """Count out an admitted request: its slot was released, or it never took one."""
         self.admitted -= 1
 
 
