@@ -83,8 +83,11 @@ def test_a_patch_that_does_not_apply_falls_back_to_noamx(tmp_path):
     the wheel cache when it is there, as on any machine that installed before), and the install
     completes."""
     cache = Path(os.environ.get("VIA_EDGE_WHEEL_CACHE", Path.home() / ".cache" / "via-edge" / "wheels"))
-    if not list(cache.glob("llama-cpp-python-0.3.36-noamx-*/*.whl")):
-        pytest.skip("no cached noamx wheel: this fallback would compile llama.cpp (minutes)")
+    noamx = subprocess.run(["bash", str(ROOT / "tools" / "install.sh")], capture_output=True, text=True, check=True,
+                           env={**os.environ, "VIA_EDGE_PRINT_WHEEL_DIR": "noamx",
+                                "VIA_EDGE_WHEEL_CACHE": str(cache)}).stdout.strip()
+    if not list(Path(noamx).glob("*.whl")):
+        pytest.skip(f"no cached noamx wheel ({noamx}): this fallback would compile llama.cpp (minutes)")
     bad = tmp_path / "bad.patch"
     bad.write_text("--- a/nothing.cpp\n+++ b/nothing.cpp\n@@ -1,1 +1,1 @@\n-old\n+new\n")
     venv = tmp_path / "v"

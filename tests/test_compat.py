@@ -23,11 +23,11 @@ class Theirs:
     thread would start a second OpenMP team, and then every decode in this process runs at a
     fraction of its speed (see llama._ComputeThread). Streams are read there, whole."""
 
-    def __init__(self, path):
+    def __init__(self, path, **kwargs):
         import llama_cpp
 
         self.llm = on_compute_thread(partial(llama_cpp.Llama, model_path=str(path), n_ctx=1024, n_threads=2,
-                                             verbose=False))
+                                             verbose=False, **kwargs))
 
     def __getattr__(self, name):
         method = getattr(self.llm, name)
@@ -95,14 +95,35 @@ def test_tokenize_and_detokenize_are_theirs(ours, theirs, text, add_bos, special
     assert ours.detokenize(tokens, special=special) == theirs.detokenize(tokens, special=special)
 
 
-@pytest.mark.parametrize("kwargs", [dict(logprobs=3), dict(logit_bias={5: 2.0}), dict(repeat_penalty=1.1),
-                                    dict(presence_penalty=0.5), dict(frequency_penalty=0.5), dict(suffix="x"),
-                                    dict(grammar="root ::= \"a\""), dict(mirostat_mode=2)])
+@pytest.mark.parametrize("kwargs", [dict(suffix="x"), dict(mirostat_mode=2), dict(typical_p=0.5), dict(tfs_z=0.9),
+                                    dict(logits_processor=[print]), dict(n=2)])
 def test_what_is_not_supported_is_refused_by_name(ours, kwargs):
     (name,) = kwargs
     with pytest.raises(ValueError, match=f"'{name}' is not supported"):
         ours.create_completion(PROMPT, max_tokens=4, **kwargs)
-    ours.create_completion(PROMPT, max_tokens=4, repeat_penalty=1.0, logprobs=None)  # their defaults pass
+    ours.create_completion(PROMPT, max_tokens=4, mirostat_mode=0, suffix=None, n=1)  # their defaults pass
+
+
+def test_grammar_logit_bias_and_logprobs_as_theirs(ours, theirs):
+    """Their LlamaGrammar and a logit_bias give the same greedy text here; logprobs have their
+    keys, their tokens and (F32 kernels) their values."""
+    from llama_cpp import LlamaGrammar
+
+    grammar = LlamaGrammar.from_string('root ::= (" red" | " blue" | " green" | ",")+')
+    kw = dict(max_tokens=12, temperature=0, grammar=grammar, logit_bias={ours.tokenize(b" blue", False, False)[0]: 5.0})
+    mine, want = ours(PROMPT, **kw), theirs.create_completion(PROMPT, **kw)
+    assert mine["choices"][0]["text"] == want["choices"][0]["text"]
+    assert " blue" in mine["choices"][0]["text"]
+    mine = ours(PROMPT, max_tokens=8, temperature=0, logprobs=3)["choices"][0]["logprobs"]
+    every_row = Theirs(ours.model_path, logits_all=True)  # their logprobs need it
+    try:
+        want = every_row.create_completion(PROMPT, max_tokens=8, temperature=0, logprobs=3)["choices"][0]["logprobs"]
+    finally:
+        every_row.close()
+    assert set(mine) == set(want) and mine["tokens"] == want["tokens"] and mine["text_offset"] == want["text_offset"]
+    # theirs sums the softmax in float32 over the vocabulary (ours in float64): ~1e-3 apart
+    assert mine["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=5e-3)
+    assert [sorted(d) for d in mine["top_logprobs"]] == [sorted(d) for d in want["top_logprobs"]]
 
 
 @pytest.mark.parametrize("kwargs,match", [(dict(embedding=True), "'embedding' is not supported"),

@@ -71,9 +71,9 @@ def test_bench_progress_in_a_log_ends_on_the_last_run(capsys):
 
 
 def test_a_second_load_of_the_same_role_is_shown_too(capsys):
-    from via_edge.cli import _load_progress
+    from via_edge.cli import load_progress
     for _ in range(2):  # e.g. a model reloaded in one process
         for frac in (0.5, 1.0):
-            _load_progress("target", frac)
+            load_progress("target", frac)
     lines = capsys.readouterr().err.splitlines()
     assert lines == ["loading target model  50%", "loading target model 100%"] * 2, lines

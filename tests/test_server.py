@@ -47,14 +47,23 @@ def start(args) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("server did not start")
 
 
+@contextlib.contextmanager
+def serving(args):
+    """A server for the block's duration: its base URL."""
+    proc, base = start(args)
+    try:
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 @pytest.fixture(scope="module")
 def server(tiny_target):
-    proc, base = start(["--target", tiny_target, "--draft-layers", "0-1", "--slim-layers", "0-2", "--mode", "sd",
-                        "--exact", "--no-flash-attn", "--kv-type", "f32", "--ctx", "2048", "--parallel", "4",
-                        "--max-tokens-limit", "256", "--max-body", "20000"])
-    yield base
-    proc.terminate()
-    proc.wait(10)
+    with serving(["--target", tiny_target, "--draft-layers", "0-1", "--slim-layers", "0-2", "--mode", "sd",
+                  "--exact", "--no-flash-attn", "--kv-type", "f32", "--ctx", "2048", "--parallel", "4",
+                  "--max-tokens-limit", "256", "--max-body", "20000"]) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

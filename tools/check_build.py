@@ -50,9 +50,10 @@ def _decode(path: str, extra_bufts: bool, out: str) -> None:
         def emit(self, record: logging.LogRecord) -> None:
             seen.append(record.getMessage())
 
-    llama.log.setLevel(logging.INFO)
-    llama.log.addHandler(Grab())
-    llama.log.propagate = False
+    log = logging.getLogger("via_edge.llama")  # llama.cpp's own log, routed there by the adapter
+    log.setLevel(logging.INFO)
+    log.addHandler(Grab())
+    log.propagate = False
     params = llama.LoadParams(n_ctx=128, n_threads=2, use_extra_bufts=extra_bufts)
     with llama.LlamaModel(path, params) as model:
         tokens = [(7 * i + 3) % 250 for i in range(PROMPT_TOKENS)]

@@ -42,11 +42,11 @@ case "$flavor" in
   *) echo "install.sh: VIA_EDGE_LLAMA_FLAVOR must be amx, noamx or native, not '$flavor'" >&2; exit 2 ;;
 esac
 
-flags_of() {  # the CMake flags of a flavor
+flags_of() {  # the CMake flags of a flavor; every flavor has ggml's RPC backend (via-edge rpc-serve, --rpc)
   case "$1" in
-    amx) echo "-DGGML_NATIVE=ON ${CMAKE_ARGS:-}" ;;
-    noamx) echo "$noamx_flags ${CMAKE_ARGS:-}" ;;
-    native) echo "${CMAKE_ARGS:-}" ;;
+    amx) echo "-DGGML_NATIVE=ON -DGGML_RPC=ON ${CMAKE_ARGS:-}" ;;
+    noamx) echo "$noamx_flags -DGGML_RPC=ON ${CMAKE_ARGS:-}" ;;
+    native) echo "-DGGML_RPC=ON ${CMAKE_ARGS:-}" ;;
   esac
 }
 
@@ -85,6 +85,11 @@ install_wheel() {  # put a flavor's llama-cpp-python into the venv, replacing wh
   "$venv/bin/python" -m pip install -q --force-reinstall --no-deps --find-links "$(wheel_dir "$1")" \
     --only-binary llama-cpp-python "llama-cpp-python==$llama_version"
 }
+
+if [ -n "${VIA_EDGE_PRINT_WHEEL_DIR:-}" ]; then  # for tests: where a flavor's wheel is cached, then stop
+  wheel_dir "$VIA_EDGE_PRINT_WHEEL_DIR"
+  exit 0
+fi
 
 if [ ! -x "$venv/bin/python" ]; then
   echo "install.sh: creating virtual environment $venv"

@@ -1,7 +1,5 @@
 """via-edge: speculative decoding with intra-model routing (VIA-SD) for local LLMs on llama.cpp."""
 
-__version__ = "0.1.0"
-
 from .decoding import SpecParams
 from .engine import Engine, Piece, Result
 from .errors import (
@@ -16,8 +14,10 @@ from .errors import (
 )
 from .sampling import SamplingParams
 from .stats import Stats
+from .version import VERSION as __version__
 
 __all__ = [
+    "__version__",
     "Engine", "Piece", "Result", "SpecParams", "SamplingParams", "Stats",
     "ViaEdgeError", "ModelFileError", "CatalogError", "DownloadError", "IncompatibleModelsError",
     "LayerSpecError", "InvalidParameterError", "ContextOverflowError",

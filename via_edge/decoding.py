@@ -23,12 +23,13 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from .constraints import Constraint
 from .drafters import NGRAM_LIMIT, Draft, Drafter
 from .errors import InvalidParameterError
 from .llama import common_prefix
 from .modes import DRAFT, SLIM, TARGET, Origin, Tier, mode_info
 from .sampling import Dist, SamplingParams
-from .scores import Rows, Scorer
+from .scores import Rows, Scorer, TokenLogprobs
 from .stats import Stats
 
 ROUTES = ("slim", "draft", "both")
@@ -96,8 +97,15 @@ class Decoder:
     """
 
     def __init__(self, target: Scorer, drafter: Drafter | None = None, slim: Scorer | None = None,
-                 spec: SpecParams = SpecParams()) -> None:
+                 spec: SpecParams = SpecParams(), constraint: Constraint | None = None,
+                 top_logprobs: int | None = None) -> None:
         self.target, self.drafter, self.slim, self.spec = target, drafter, slim, spec
+        self.constraint = constraint  # a grammar every chosen token obeys (constraints.py)
+        # with `top_logprobs`, the target's log-probabilities of each committed token (and of its
+        # `top_logprobs` likeliest), by position in the context, read from its verifying rows
+        # (lossless modes only: see modes.check_logprobs)
+        self.top_logprobs = top_logprobs
+        self.logprobs: dict[int, TokenLogprobs] = {}
 
     def generate(self, prompt: Sequence[int], mode: str, sp: SamplingParams, max_new: int, stats: Stats,
                  resync: Resync | None = None) -> Iterator[Committed]:
@@ -117,12 +125,16 @@ class Decoder:
         rng = sp.rng()
         ctx = list(prompt)
         produced = 0
+        if self.constraint is not None:
+            self.constraint.start(len(ctx))
         while produced < max_new and len(ctx) < self.target.n_ctx:
             budget = min(max_new - produced, self.target.n_ctx - len(ctx))
             stats.rounds += 1
             for tok, origin, tier in rounds(ctx, sp, rng, stats, budget):
                 other = resync(produced, tok) if resync is not None else None
                 ctx.append(tok if other is None else other)
+                if self.constraint is not None:
+                    self.constraint.commit(tok)
                 produced += 1
                 stats.count(origin, tier)
                 yield tok, origin, tier
@@ -132,6 +144,12 @@ class Decoder:
                     break
 
     # ---- shared pieces --------------------------------------------------------------------------
+    def _eval(self, model: Scorer, ctx: list[int], tokens: Sequence[int], n_rows: int) -> Rows:
+        """`model`'s last n_rows rows for ctx + tokens, row 0 following ctx: what the grammar
+        allows at each row when there is one."""
+        rows = model.eval(ctx + list(tokens), n_rows)
+        return rows if self.constraint is None else self.constraint.rows(rows, ctx, tokens)
+
     def _draft(self, ctx: list[int], budget: int, sp: SamplingParams, rng: np.random.Generator,
                stats: Stats, k: int | None = None, reserve: int = 1, conf: bool = False) -> Draft:
         """Up to k tokens (default: as many as the drafter's own knob allows), leaving `reserve`
@@ -140,10 +158,16 @@ class Decoder:
         k = room if k is None else min(k, room)
         if k <= 0:
             return Draft()
-        draft = self.drafter.propose(ctx, k, sp, rng, self.spec, conf=conf)
+        draft = self.drafter.propose(ctx, k, sp, rng, self.spec, conf=conf, constraint=self.constraint)
         stats.draft_n += len(draft)
         stats.draft_rounds += bool(draft.tokens)
         return draft
+
+    def _record(self, rows: Rows, start: int, tokens: Sequence[int]) -> None:
+        """Log-probabilities of `tokens`, committed at positions start.., from the target's rows."""
+        if self.top_logprobs is not None:
+            for i, tok in enumerate(tokens):
+                self.logprobs[start + i] = rows.logprobs(i, tok, self.top_logprobs)
 
     @staticmethod
     def _verify(rows: Rows, tokens: Sequence[int], qs: Sequence[Dist | None] | None,
@@ -172,8 +196,9 @@ class Decoder:
     # ---- modes ----------------------------------------------------------------------------------
     def _ar_round(self, ctx: list[int], sp: SamplingParams, rng: np.random.Generator, stats: Stats,
                   budget: int) -> list[Committed]:
-        rows = self.target.eval(ctx, 1)
+        rows = self._eval(self.target, ctx, (), 1)
         tok = rows.argmax(0) if sp.greedy else rows.dist(0, sp).sample(rng)
+        self._record(rows, len(ctx), [tok])
         return [(tok, TARGET, "C")]
 
     def _sd_round(self, ctx: list[int], sp: SamplingParams, rng: np.random.Generator, stats: Stats,
@@ -186,8 +211,9 @@ class Decoder:
     def _target_verifies(self, ctx: list[int], tokens: list[int], qs: Sequence[Dist | None] | None,
                          sp: SamplingParams, rng: np.random.Generator) -> list[Committed]:
         """One batched target call: catch up on unseen context, verify `tokens`, add its own token."""
-        rows = self.target.eval(ctx + tokens, len(tokens) + 1)
+        rows = self._eval(self.target, ctx, tokens, len(tokens) + 1)
         n, nxt = self._verify(rows, tokens, qs, sp, rng)
+        self._record(rows, len(ctx), tokens[:n] + [nxt])
         return [(t, self.drafter.origin, "C") for t in tokens[:n]] + [(nxt, TARGET, "C")]
 
     def _via_round(self, ctx: list[int], sp: SamplingParams, rng: np.random.Generator, stats: Stats,
@@ -202,10 +228,13 @@ class Decoder:
         lag = len(ctx) - common_prefix(self.target.tokens, ctx)  # committed tokens the target has not seen
         needs_slim = spec.tau_accept > 0 and spec.tau_full <= 1 and not self._lag_exceeded(lag)
         # srows[i] is the slim's prediction for the position of draft token i
-        srows = self.slim.eval(ctx + draft.tokens[:-1], len(draft)) if needs_slim else None
+        srows = self._eval(self.slim, ctx, draft.tokens[:-1], len(draft)) if needs_slim else None
         out: list[Committed] = []
         for i, tok in enumerate(draft.tokens):
             tier = self._tier(srows, draft, i, lag + len(out))
+            if tier != "C" and self.constraint is not None and \
+                    not self.constraint.allows(ctx + [t for t, _, _ in out], tok):
+                tier = "C"  # only the target may choose where the draft broke the grammar
             if tier == "B":
                 regen = srows.argmax(i) if sp.greedy else srows.dist(i, sp).sample(rng)
                 if regen != tok:
@@ -255,7 +284,7 @@ class Decoder:
             draft = self._draft(base, budget, sp, rng, stats, k=min(self.spec.n_draft, limit - len(block)))
             if not draft.tokens:
                 break
-            srows = self.slim.eval(base + draft.tokens[:-1], len(draft))
+            srows = self._eval(self.slim, base, draft.tokens[:-1], len(draft))
             keep = 0
             while keep < len(draft) and srows.ratio(keep, draft.tokens[keep]) >= self.spec.tau_full:
                 keep += 1

@@ -22,6 +22,7 @@ from .sampling import Dist, SamplingParams
 from .scores import Scorer
 
 if TYPE_CHECKING:
+    from .constraints import Constraint
     from .decoding import SpecParams
 
 
@@ -36,10 +37,13 @@ class Draft:
 
 
 class Drafter(Protocol):
+    """Proposes up to k tokens after `context`; with a `constraint`, only tokens its grammar allows
+    (a forbidden one would only be rejected)."""
+
     origin: Origin
 
     def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator,
-                spec: "SpecParams", *, conf: bool = False) -> Draft: ...
+                spec: "SpecParams", *, conf: bool = False, constraint: "Constraint | None" = None) -> Draft: ...
 
 
 class ModelDrafter:
@@ -55,7 +59,7 @@ class ModelDrafter:
         self.model = model
 
     def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator,
-                spec: "SpecParams", *, conf: bool = False) -> Draft:
+                spec: "SpecParams", *, conf: bool = False, constraint: "Constraint | None" = None) -> Draft:
         draft = Draft(q=None if sp.greedy else [])
         p_min, n_min = spec.p_min, spec.n_min
         k = min(k, spec.n_draft, self.model.n_ctx - len(context))
@@ -63,6 +67,8 @@ class ModelDrafter:
             return draft
         rows = self.model.eval(context, 1)
         for i in range(k):
+            if constraint is not None:  # the draft's own choice among what the grammar allows
+                rows = constraint.rows(rows, context, after=draft.tokens)
             best = rows.argmax(0)
             p_best = rows.top_prob(0) if conf or (p_min > 0 and i >= n_min) else 1.0
             if i >= n_min and p_best < p_min:
@@ -236,7 +242,7 @@ class CopyDrafter:
             self.index.append(tok)
 
     def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator,
-                spec: "SpecParams", *, conf: bool = False) -> Draft:
+                spec: "SpecParams", *, conf: bool = False, constraint: "Constraint | None" = None) -> Draft:
         draft = Draft(q=None if sp.greedy else [])
         self._sync(context)
         if self.run < spec.ngram_max:  # no copy yet, or a short one a longer match may beat
@@ -247,6 +253,8 @@ class CopyDrafter:
             return draft
         toks = self.index.tokens
         k = self.policy.length(self.run, min(k, spec.copy_max, len(toks) - self.src))
+        if constraint is not None:  # the copy up to where the grammar would refuse it
+            k = constraint.allowed_prefix(context, toks[self.src:self.src + k])
         if k == 0:
             return draft
         draft.tokens = toks[self.src:self.src + k]

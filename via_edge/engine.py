@@ -11,36 +11,43 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from . import formats
 from . import models as catalog
 from .batching import BatchedSeq, Scheduler
+from .constraints import Constraint, LogitRules, grammar_text
 from .decoding import Decoder, SpecParams
 from .costs import batch_cost
 from .drafters import CopyDrafter, CopyPolicy, Drafter, ModelDrafter, check_compatible
 from .errors import ContextOverflowError, InvalidParameterError
-from .llama import MAX_SEQ, LlamaModel, LoadParams, common_prefix
-from .modes import DEFAULT_MODE, TARGET, Mode, Origin, Tier, mode_info
+from .llama import MAX_SEQ, GrammarState, LlamaModel, LoadParams, common_prefix
+from .modes import DEFAULT_MODE, TARGET, Mode, Origin, Tier, check_logprobs, mode_info
 from .prompts import chat_tokens
 from .sampling import SamplingParams
-from .scores import ScoredModel
+from .scores import ScoredModel, TokenLogprobs
 from .gguf_info import read_info
 from .slim import build_f32, build_slim, is_prefix, parse_layers, slice_seq_state, slim_source, target_sha256
 from .stats import Stats
 from .text import StopMatcher, StreamDecoder
+from .tools import Tools, constrain, parse_calls, template_messages
 from .tuned import TunedConfig, load_choice
+
+
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 
 
 @dataclass(frozen=True)
 class Piece:
-    """A piece of streamed text and the origin of the token that completed it."""
+    """A piece of streamed text and the origin of the token that completed it; with logprobs, the
+    entries of the tokens since the previous piece."""
 
     text: str
     token: int
     origin: Origin
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass
@@ -54,6 +61,8 @@ class Result:
     mode: Mode
     prompt_tokens: int
     eog: bool = False      # the last token is the end-of-generation token (part of `tokens`, not of `text`)
+    logprobs: list[TokenLogprobs] | None = None  # per answer token (not the EOG), when asked for (Engine.stream)
+    tool_calls: list[dict] | None = None  # OpenAI-shaped calls, when Engine.chat was given tools
 
     @property
     def completion_tokens(self) -> int:
@@ -102,6 +111,23 @@ class Stream:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class _Request:
+    """One generation as `stream` checked it."""
+
+    prompt: list[int]
+    mode: str
+    sp: SamplingParams
+    max_tokens: int
+    stop: Sequence[str]
+    spec: SpecParams
+    should_stop: Callable[[], bool] | None
+    arrived: float
+    grammar: GrammarState | None
+    rules: LogitRules | None
+    top_logprobs: int | None
 
 
 @dataclass
@@ -169,20 +195,20 @@ class Engine:
         mode: str = DEFAULT_MODE,
         draft_layers: str | None = None,
         slim_layers: str | None = None,
-        n_ctx: int = 4096,
         n_parallel: int = 1,
-        n_threads: int | None = None,
-        n_gpu_layers: int = -1,
-        flash_attn: bool | None = None,
-        use_extra_bufts: bool | None = None,
-        kv_type: str = "f16",
+        load: LoadParams = LoadParams(),
         spec: SpecParams = SpecParams(),
         mode_specs: Mapping[str, SpecParams] | None = None,
         slim_kv: str = "import",
         f32: bool = False,
         pull_missing: bool = False,
         progress: Callable[[str, float], None] | None = None,
+        **load_fields,
     ) -> None:
+        """`load` and any of its fields given by name (n_ctx, n_threads, kv_type, rpc...) say how
+        every model loads; the slots' share of the context is set here from `n_parallel`.
+        `rpc=("host:port", ...)` puts a share of the target's layers on those RPC servers
+        (`via-edge rpc-serve`), draft and slim stay here."""
         mode_info(mode)
         if not 1 <= n_parallel <= MAX_SEQ:
             raise InvalidParameterError(f"n_parallel must be in 1..{MAX_SEQ}, got {n_parallel}")
@@ -191,9 +217,11 @@ class Engine:
         self.mode = mode
         self.spec = spec
         self.mode_specs = dict(mode_specs or {})  # per-mode knobs (a tuned configuration) over `spec`
-        self.load = LoadParams(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
-                               flash_attn=flash_attn, use_extra_bufts=use_extra_bufts, kv_type=kv_type,
-                               n_seq=n_parallel, kv_unified=n_parallel > 1)
+        unknown = set(load_fields) - ({f.name for f in fields(LoadParams)} - {"n_seq", "kv_unified"})
+        if unknown:  # the slots' fields come from n_parallel
+            raise TypeError(f"Engine() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
+        load_fields = {k: tuple(v) if k in ("rpc", "tensor_split", "capture") else v for k, v in load_fields.items()}
+        self.load = replace(load, **load_fields, n_seq=n_parallel, kv_unified=n_parallel > 1)
         self.n_parallel = n_parallel
         self._scheduler = Scheduler() if n_parallel > 1 else None
         self._slots = [_Slot(i) for i in range(n_parallel)]
@@ -268,7 +296,9 @@ class Engine:
         cb = None
         if self._progress is not None:
             cb = lambda frac, role=role: self._progress(role, frac)  # noqa: E731
-        return LlamaModel(path, self.load, progress=cb)
+        # only the target's layers go to RPC servers: draft and slim run here, where they are cheap
+        params = self.load if role == "target" else replace(self.load, rpc=(), tensor_split=())
+        return LlamaModel(path, params, progress=cb)
 
     def prepare(self, mode: str) -> None:
         """Load whatever `mode` needs that is not loaded yet."""
@@ -397,8 +427,11 @@ class Engine:
     def target(self) -> LlamaModel:
         return self.models.target
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        return chat_tokens(self.target, messages)
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], tools: Tools | None = None) -> list[int]:
+        """The prompt tokens of a conversation; with `tools` (tools.Tools), the functions too, and
+        earlier calls and results however the model's template takes them."""
+        msgs, offered = template_messages(messages, tools, self.target.chat_template)
+        return chat_tokens(self.target, msgs, offered)
 
     def check_fits(self, tokens: Sequence[int]) -> None:
         """A prompt must leave one slot's context room for at least one new token."""
@@ -429,8 +462,15 @@ class Engine:
             results = list(pool.map(_drain, streams))
         return BatchResult(results, time.perf_counter() - t0)
 
-    def chat(self, messages: Sequence[Mapping[str, str]], **kwargs) -> Result:
-        return self.generate(self.chat_prompt(messages), **kwargs)
+    def chat(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
+             tool_choice: Any = None, **kwargs) -> Result:
+        """A conversation's answer; with OpenAI-style `tools`, its calls are in `tool_calls`
+        (tool_choice "required" or a named function makes the answer one call)."""
+        spec = Tools.parse(tools, tool_choice)
+        res = self.generate(self.chat_prompt(messages, spec), **constrain(spec, kwargs))
+        if spec is not None:
+            res.tool_calls = parse_calls(res.text)[1]
+        return res
 
     def stream(
         self,
@@ -448,6 +488,13 @@ class Engine:
         spec: SpecParams | None = None,
         should_stop: Callable[[], bool] | None = None,
         arrived: float | None = None,
+        grammar: str | None = None,
+        response_format: Mapping[str, Any] | None = None,
+        logprobs: int | None = None,
+        logit_bias: Mapping[Any, float] | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repeat_penalty: float = 1.0,
     ) -> Stream:
         """Text pieces as tokens are committed; the stream's `result` carries text, tokens and stats.
 
@@ -456,6 +503,10 @@ class Engine:
         server's disconnected client, say); when it returns True the result ends as "cancelled".
         The generation takes a slot when the stream is first read; the time from `arrived` (a
         `time.perf_counter()` value, default: now) until then is the stats' `queue_seconds`.
+        `grammar` (GBNF) or `response_format` (OpenAI's: JSON, or JSON matching a schema)
+        constrains every mode's output; `logit_bias` (token id -> -100..100) and the penalties change
+        the logits of target and drafts alike (constraints.py). `logprobs=n` (0..20) gives the
+        result the target's log-probability of each token and its n likeliest alternatives.
         """
         arrived = time.perf_counter() if arrived is None else arrived
         mode = mode or self.mode
@@ -468,18 +519,20 @@ class Engine:
         if not tokens:
             raise InvalidParameterError("the prompt is empty")
         self.check_fits(tokens)
-        spec = spec or self.mode_specs.get(mode) or self.spec
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise InvalidParameterError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {logprobs}", "logprobs")
+        check_logprobs(mode, logprobs)
+        gbnf = grammar_text(grammar, response_format)
+        rules = LogitRules.make(self.target.n_vocab, logit_bias, presence_penalty, frequency_penalty, repeat_penalty)
+        req = _Request(tokens, mode, sp, max_tokens, stop, spec or self.mode_specs.get(mode) or self.spec,
+                       should_stop, arrived, self.target.grammar(gbnf) if gbnf else None, rules, logprobs)
         empty = Result("", [], [], [], "cancelled", Stats(prompt_tokens=len(tokens)), mode, len(tokens))
-        return Stream(lambda box: self._run(box, tokens, mode, sp, max_tokens, stop, spec, should_stop,
-                                               arrived), empty)
+        return Stream(lambda box: self._run(box, req), empty)
 
-    def _run(self, box: list[Result], prompt: list[int], mode: str, sp: SamplingParams, max_tokens: int,
-             stop: Sequence[str], spec: SpecParams, should_stop: Callable[[], bool] | None,
-             arrived: float) -> Iterator[Piece]:
+    def _run(self, box: list[Result], req: _Request) -> Iterator[Piece]:
         me = object()
-        slot = self._acquire(prompt, me)
-        steps = self._generate(box, slot, prompt, mode, sp, max_tokens, stop, spec, should_stop,
-                               time.perf_counter() - arrived)
+        slot = self._acquire(req.prompt, me)
+        steps = self._generate(box, slot, req, time.perf_counter() - req.arrived)
         try:
             while True:
                 if self._scheduler is None:
@@ -493,9 +546,8 @@ class Engine:
             steps.close()
             self._release(slot, me)
 
-    def _generate(self, box: list[Result], slot: _Slot, prompt: list[int], mode: str, sp: SamplingParams,
-                  max_tokens: int, stop: Sequence[str], spec: SpecParams, should_stop: Callable[[], bool] | None,
-                  queued: float) -> Iterator[Piece]:
+    def _generate(self, box: list[Result], slot: _Slot, req: _Request, queued: float) -> Iterator[Piece]:
+        prompt, mode, stop, should_stop = req.prompt, req.mode, req.stop, req.should_stop
         info = mode_info(mode)
         stats = Stats(prompt_tokens=len(prompt), queue_seconds=queued)
         roles = ["target"] + ["draft"] * info.draft_model + ["slim"] * info.slim
@@ -508,17 +560,21 @@ class Engine:
         pieces: list[str] = []
         finish = "cancelled"  # unless the loop below says otherwise: the consumer stopped reading
         eog = False
+        lps: list[TokenLogprobs] | None = [] if req.top_logprobs is not None else None
+        sent = 0  # logprobs entries already in a piece
         t0 = t1 = time.perf_counter()
         try:
             stats.cache_tokens = common_prefix(target.tokens, prompt[:-1])
             self._prefill(slot, prompt[:-1], used)
             t1 = time.perf_counter()
             stats.prefill_seconds = t1 - t0
-            decoder = Decoder(target, self._drafter(slot, mode), self._scorer(slot, "slim"), spec)
+            decoder = Decoder(target, self._drafter(slot, mode), self._scorer(slot, "slim"), req.spec,
+                              Constraint(req.grammar, req.rules) if req.grammar or req.rules else None,
+                              req.top_logprobs)
             text_out = StreamDecoder()
             stops = StopMatcher(stop)
             stopped_by_string = False
-            gen = decoder.generate(prompt, mode, sp, max_tokens, stats)
+            gen = decoder.generate(prompt, mode, req.sp, req.max_tokens, stats)
             try:
                 finish = "length"
                 for tok, origin, tier in gen:
@@ -528,11 +584,14 @@ class Engine:
                     if target.is_eog(tok):
                         finish, eog = "stop", True
                         break
+                    if lps is not None:
+                        lps.append(decoder.logprobs[len(prompt) + len(out_tokens) - 1])
                     text, stopped_by_string = stops.feed(text_out.feed(self.target.token_bytes(tok)))
                     if text:
                         pieces.append(text)
                         finish = "cancelled"  # if the consumer stops reading at this piece
-                        yield Piece(text, tok, origin)
+                        yield Piece(text, tok, origin, tuple(lps[sent:]) if lps else ())
+                        sent = len(lps) if lps else 0
                         finish = "length"
                     if stopped_by_string:
                         finish = "stop"
@@ -548,13 +607,15 @@ class Engine:
                 if tail:
                     pieces.append(tail)
                     kept, finish = finish, "cancelled"
-                    yield Piece(tail, out_tokens[-1] if out_tokens else -1, origins[-1] if origins else TARGET)
+                    yield Piece(tail, out_tokens[-1] if out_tokens else -1, origins[-1] if origins else TARGET,
+                                tuple(lps[sent:]) if lps else ())
                     finish = kept
         finally:
             stats.generate_seconds = time.perf_counter() - t1
             for role, scored in used:
                 setattr(stats, role, scored.seq.usage.since(before[role]))
-            box.append(Result("".join(pieces), out_tokens, origins, tiers, finish, stats, mode, len(prompt), eog))
+            box.append(Result("".join(pieces), out_tokens, origins, tiers, finish, stats, mode, len(prompt), eog,
+                              lps))
 
     def _prefill(self, slot: _Slot, tokens: list[int], used: list[tuple[str, ScoredModel]]) -> None:
         """Fill every model's KV with the prompt (all but its last token, which each round decodes).

@@ -28,8 +28,17 @@ class LayerSpecError(ViaEdgeError, ValueError):
 
 
 class InvalidParameterError(ViaEdgeError, ValueError):
-    """A sampling, threshold or size parameter is outside its valid range."""
+    """A sampling, threshold or size parameter is outside its valid range (`param` names it,
+    for an API's error object)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ContextOverflowError(ViaEdgeError):
     """The prompt does not fit in the context window."""
+
+
+class RemoteDeviceError(ViaEdgeError):
+    """An RPC server (llama.cpp's ggml-rpc) is unreachable, of another version, or failed mid-decode."""

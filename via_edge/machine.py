@@ -10,7 +10,7 @@ import re
 import sys
 from pathlib import Path
 
-from . import __version__
+from .version import VERSION
 
 
 def cpu_name() -> str:
@@ -67,7 +67,7 @@ def machine_key() -> str:
 def versions() -> dict:
     from importlib.metadata import version
 
-    out = {"via_edge": __version__}
+    out = {"via_edge": VERSION}
     for pkg in ("llama-cpp-python", "gguf", "numpy"):
         try:
             out[pkg] = version(pkg)

@@ -53,3 +53,11 @@ def mode_info(mode: str) -> ModeInfo:
         return MODES[mode]
     except KeyError:
         raise InvalidParameterError(f"mode must be one of {', '.join(MODES)}, got {mode!r}") from None
+
+
+def check_logprobs(mode: str, logprobs: int | None) -> None:
+    """Logprobs come from the target's row of every token: lossless modes have one (the target
+    verifies every token), `via` commits some the target never saw."""
+    if logprobs is not None and not mode_info(mode).lossless:
+        raise InvalidParameterError(f"logprobs need the target's row of every token, and mode {mode} commits some "
+                                    f"without the target: use {', '.join(sorted(LOSSLESS))}", "logprobs")

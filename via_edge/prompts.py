@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from datetime import datetime
 from functools import lru_cache
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from .errors import InvalidParameterError
 
-Message = Mapping[str, str]
+Message = Mapping[str, Any]
 
 
 @lru_cache(maxsize=8)
@@ -32,8 +32,10 @@ def render_chat(
     bos_token: str = "",
     eos_token: str = "",
     add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
-    """The prompt text for `messages`; a model without a template gets plain ChatML."""
+    """The prompt text for `messages` (and `tools`, for a template that renders them: see
+    tools.template_messages); a model without a template gets plain ChatML."""
     for m in messages:
         if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
             raise InvalidParameterError("each chat message needs a 'role' and a 'content'")
@@ -45,13 +47,14 @@ def render_chat(
         add_generation_prompt=add_generation_prompt,
         bos_token=bos_token,
         eos_token=eos_token,
+        **({"tools": list(tools)} if tools else {}),
     )
 
 
-def chat_tokens(model, messages: Sequence[Message]) -> list[int]:
+def chat_tokens(model, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
     """`messages` through `model`'s chat template, tokenized as the model expects (BOS once)."""
     bos = model.token_bytes(model.bos, special=True).decode("utf-8", "replace") if model.bos >= 0 else ""
     eos = model.token_bytes(model.eos, special=True).decode("utf-8", "replace") if model.eos >= 0 else ""
-    text = render_chat(model.chat_template, messages, bos_token=bos, eos_token=eos)
+    text = render_chat(model.chat_template, messages, bos_token=bos, eos_token=eos, tools=tools)
     add_bos = model.add_bos and not (bos and text.startswith(bos))
     return model.tokenize(text, add_special=add_bos, parse_special=True)

@@ -16,7 +16,11 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from .decoding import Decoder
 from .llama import LlamaModel
+from .sampling import SamplingParams
+from .scores import ScoredModel
+from .stats import Stats
 
 PPL_TEXT = "textwrap.py.txt"   # CPython's Lib/textwrap.py, PSF licence (data/perplexity/LICENSE)
 PPL_TOKENS = 512               # tokens of it scored (prefill runs ~40 tok/s for the 1.5B on 2 cores)
@@ -40,20 +44,14 @@ class Quality:
 
 
 def greedy_continuations(model: LlamaModel, prompts: Sequence[list[int]], n: int) -> list[list[int]]:
-    """The model's own greedy output for each prompt, as `ar` makes it (the prompt but its last
-    token prefilled, then one token per call; stops at end of generation)."""
+    """The model's own greedy output for each prompt, made by the decoding loop's `ar` from a cold
+    cache (the prompt but its last token prefilled, as the engine does)."""
+    decoder = Decoder(ScoredModel(model))
     out = []
     for prompt in prompts:
         model.reset()
         model.prefill(prompt[:-1])
-        ctx, cont = list(prompt), []
-        while len(cont) < n and len(ctx) < model.n_ctx:
-            tok = int(model.eval(ctx, 1)[0].argmax())
-            cont.append(tok)
-            ctx.append(tok)
-            if model.is_eog(tok):
-                break
-        out.append(cont)
+        out.append([tok for tok, _, _ in decoder.generate(prompt, "ar", SamplingParams(), n, Stats())])
     return out
 
 

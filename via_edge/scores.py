@@ -23,7 +23,8 @@ class Rows(Protocol):
     def argmax(self, i: int) -> int: ...
     def ratio(self, i: int, token: int) -> float: ...        # p(token) / max p, untempered
     def top_prob(self, i: int) -> float: ...                 # max p, untempered
-    def dist(self, i: int, sp: SamplingParams) -> np.ndarray: ...  # what `sp` samples from
+    def dist(self, i: int, sp: SamplingParams) -> Dist: ...  # what `sp` samples from
+    def logprobs(self, i: int, token: int, n: int) -> "TokenLogprobs": ...  # asked only when logprobs are
 
 
 class Scorer(Protocol):
@@ -70,6 +71,26 @@ class LogitRows:
 
     def dist(self, i: int, sp: SamplingParams) -> Dist:
         return dist(self.logits[i], sp)
+
+    def logprobs(self, i: int, token: int, n: int) -> TokenLogprobs:
+        return token_logprobs(self.logits[i], token, n)
+
+
+TokenLogprobs = tuple[int, float, list[tuple[int, float]]]  # token, log p(token), the n likeliest (id, log p)
+
+
+def token_logprobs(row: np.ndarray, token: int, n: int) -> TokenLogprobs:
+    """The model's own log-probabilities (softmax of the raw logits, before any sampling filter
+    or grammar, as OpenAI reports them) of `token` and of the row's `n` likeliest tokens."""
+    x = np.asarray(row, dtype=np.float32)
+    top = x.max()
+    lse = float(top) + float(np.log(np.exp(x - top).sum(dtype=np.float64)))
+    best: list[tuple[int, float]] = []
+    if n:
+        ids = np.argpartition(x, x.size - n)[x.size - n:]
+        ids = ids[np.argsort(-x[ids], kind="stable")]
+        best = [(int(t), float(x[t]) - lse) for t in ids]
+    return token, float(x[token]) - lse, best
 
 
 class ScoredModel:

@@ -12,7 +12,6 @@ instead of prefilling the prompt a second time.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import struct

@@ -17,12 +17,14 @@ from .peers import PEERS
 def summarize(results: dict) -> dict:
     runs = results["runs"]
     methods = results["meta"]["methods"]
-    ar = {r["prompt_id"]: r for r in runs if r["method"] == "ar"}
+    refs = {m: {r["prompt_id"]: r for r in runs if r["method"] == m} for m in ("ar", "ar:json")}
     formats = results["meta"].get("formats", {})
     peers = {p: {r["prompt_id"]: r for r in runs if r["method"] == p} for p in PEERS}
     peers = {p: by_prompt for p, by_prompt in peers.items() if by_prompt}
     summary = {}
     for method in methods:
+        # constrained answers (<mode>:json) are compared with ar's constrained answer, the rest with ar's
+        ar = refs["ar:json"] if method.endswith(":json") else refs["ar"]
         mine = [r for r in runs if r["method"] == method]
         ratios = [r["tok_s"] / ar[r["prompt_id"]]["tok_s"] for r in mine if ar[r["prompt_id"]]["tok_s"] > 0]
         fid = [fidelity(ar[r["prompt_id"]]["tokens"], r["tokens"]) for r in mine]

@@ -20,7 +20,7 @@ from ..machine import machine, versions
 from ..modes import MODE_NAMES
 from ..progress import StatusLine
 from ..errors import InvalidParameterError
-from ..llama import EXACT, EXACT_F32, default_threads
+from ..llama import EXACT, EXACT_F32, LoadParams, default_threads
 from ..slim import target_sha256
 from ..tuned import load_choice
 from .peers import PEERS, Peer
@@ -47,6 +47,8 @@ class BenchConfig:
     threads: int | None = None
     spec: SpecParams = field(default_factory=SpecParams)
     tuned: bool = False  # also every mode with the pair's tuned knobs and slim, as "<mode>:tuned"
+    response_format: dict | None = None  # also every mode constrained to it, as "<mode>:json"
+    remote: dict = field(default_factory=dict)  # LoadParams' rpc and tensor_split: the target over RPC servers
     f32: bool = False
     quick: bool = False
     command: str = ""
@@ -102,7 +104,8 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
     prompts = load_prompts(cfg.suite, cfg.categories, cfg.per_category)
     threads = cfg.threads or default_threads()
     kernels = (EXACT_F32 if cfg.f32 else EXACT) if cfg.exact else {}
-    common = dict(mode="ar", n_ctx=cfg.n_ctx, n_threads=threads, pull_missing=True, f32=cfg.f32, **kernels)
+    common = dict(mode="ar", load=LoadParams(n_ctx=cfg.n_ctx, n_threads=threads, **kernels, **cfg.remote),
+                  pull_missing=True, f32=cfg.f32)
     if cfg.tuned and load_choice(engine_pair_name(cfg.pair)) is None:
         raise InvalidParameterError(f"--tuned: pair {engine_pair_name(cfg.pair)} was not tuned on this machine; "
                                     "run `via-edge tune` first")
@@ -118,8 +121,8 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
         # ar:tuned differs from ar only when the tuned choice runs another weight format
         other_format = tuned is not None and tuned.target_path != engine.target_path
         methods = (list(cfg.modes) + [f"{m}:tuned" for m in cfg.modes if tuned and (m != "ar" or other_format)]
-                   + [p.name for p in peers])
-        fmt = {"": engine.weight_format, "tuned": tuned.weight_format if tuned else ""}
+                   + [f"{m}:json" for m in cfg.modes if cfg.response_format] + [p.name for p in peers])
+        fmt = {"": engine.weight_format, "tuned": tuned.weight_format if tuned else "", "json": engine.weight_format}
         formats = {m: fmt[m.partition(":")[2]] if m not in PEERS else fmt[""] for m in methods}
         by_name = {p.name: p for p in peers}
 
@@ -127,9 +130,10 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
             if method in by_name:
                 return by_name[method].run(tokens, cfg.max_tokens, engine.target.is_eog)
             mode, _, variant = method.partition(":")
-            e = engines[variant]
+            e = engine if variant == "json" else engines[variant]  # json: answers constrained to the format
             e.reset()
-            res = e.generate(tokens, mode=mode, max_tokens=cfg.max_tokens)
+            constrained = {"response_format": cfg.response_format} if variant == "json" else {}
+            res = e.generate(tokens, mode=mode, max_tokens=cfg.max_tokens, **constrained)
             s = res.stats
             return {"tokens": res.tokens, "prefill_s": s.prefill_seconds, "gen_s": s.generate_seconds,
                     "tok_s": s.tokens_per_second, "stats": s.to_dict(), "tiers": res.tiers,

@@ -297,10 +297,8 @@ def verify(target_path: Path, draft_path: Path, best: dict[str, Candidate], prom
     beside them and every ratio and agreement is to it, so a format's speed and loss show up.
     """
     slim = next((c.slim for c in best.values() if c.slim), None)  # one slim for all modes (see tune)
-    kw = dict(n_ctx=cfg.n_ctx, n_threads=load.n_threads,
-              **{k: v for k, v in asdict(load).items() if k in ("flash_attn", "use_extra_bufts", "kv_type")})
-    engine = Engine(target_path, draft_path, slim_layers=slim, **kw)
-    base = Engine(baseline, **kw) if baseline else None
+    engine = Engine(target_path, draft_path, slim_layers=slim, load=load)
+    base = Engine(baseline, load=load) if baseline else None
     runners = {m: (engine, m, best[m].spec) for m in best}
     if base:
         runners[BASE] = (base, "ar", SpecParams())

@@ -1,0 +1,134 @@
+"""The target over llama.cpp's RPC backend: `via-edge rpc-serve` processes on loopback hold a share
+of its layers. Greedy output equals the all-local output token for token (F32, exact kernels on
+both sides), a server killed mid-generation is a clear error within a bounded time while `serve`
+stays up, and what a user gets wrong is one line and exit 2."""
+
+import signal
+import socketserver
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import EXACT
+from test_server import free_port, start
+from via_edge import Engine, SpecParams
+from via_edge.errors import RemoteDeviceError
+from via_edge.llama import rpc
+
+pytestmark = pytest.mark.skipif(not rpc.available(), reason="llama-cpp-python built without -DGGML_RPC=ON "
+                                "(tools/install.sh builds it so)")
+PROMPTS = ["hello world", "the cat is here", "some more words in here"]
+
+
+def rpc_server(threads: int = 1) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "via_edge", "rpc-serve", "--port", str(port), "--threads",
+                             str(threads)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    endpoint = f"127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stderr.read())
+        try:
+            rpc.hello(endpoint, timeout=2)
+            return proc, endpoint
+        except RemoteDeviceError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("rpc-serve did not start")
+
+
+@pytest.fixture(scope="module")
+def servers():
+    started = [rpc_server(), rpc_server()]
+    yield [e for _, e in started]
+    for proc, _ in started:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_greedy_output_over_one_and_two_servers_equals_all_local(tiny_target, servers):
+    spec = SpecParams(n_draft=4)
+    with Engine(tiny_target, draft_layers="0-1", **EXACT) as local:
+        want = {(p, m): local.generate(p, mode=m, max_tokens=40, chat_template=False, spec=spec).tokens
+                for p in PROMPTS for m in ("ar", "sd", "lookup")}
+    for eps, split in ((servers[:1], (1, 1)), (servers, (1, 1, 1)), (servers, (0, 1, 1))):
+        with Engine(tiny_target, draft_layers="0-1", rpc=eps, tensor_split=split, **EXACT) as remote:
+            assert remote.models.target.n_remote_layers > 0
+            for (p, m), tokens in want.items():
+                assert remote.generate(p, mode=m, max_tokens=40, chat_template=False, spec=spec).tokens == tokens, \
+                    (eps, split, p, m)
+
+
+def test_a_server_killed_mid_generation_is_a_clear_error_and_serve_stays_up(tiny_target):
+    proc, endpoint = rpc_server()
+    try:
+        srv, base = start(["--target", tiny_target, "--rpc", endpoint, "--mode", "ar", "--exact", "--no-flash-attn",
+                           "--kv-type", "f32", "--ctx", "2048", "--parallel", "1"])
+    except Exception:
+        proc.kill()
+        raise
+    try:
+        body = {"model": "target", "prompt": "Count:", "max_tokens": 3000, "stream": True, "temperature": 0}
+        t0 = None
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    proc.send_signal(signal.SIGKILL)  # the server dies with the stream under way
+                    proc.wait(10)
+                    t0 = time.time()
+                    break
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert time.time() - t0 < 30
+        assert any('"error"' in line and "RPC server" in line for line in rest), rest[-3:]
+        health = httpx.get(base + "/health", timeout=10)
+        assert srv.poll() is None and health.status_code == 503 and "RPC" in health.json()["rpc"]
+        again = httpx.post(base + "/v1/completions", json={**body, "stream": False, "max_tokens": 4}, timeout=30)
+        assert again.status_code == 503 and "RPC server" in again.json()["error"]["message"]
+    finally:
+        srv.terminate()
+        srv.wait(10)
+        if proc.poll() is None:
+            proc.kill()
+
+
+def cli(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "via_edge", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_rpc_serve_refuses_a_public_address_without_allow_remote():
+    out = cli("rpc-serve", "--host", "0.0.0.0", "--port", str(free_port()))
+    assert out.returncode == 2 and "no authentication" in out.stderr and "--allow-remote" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_nothing_listening_is_one_line_and_exit_2(tiny_target):
+    out = cli("generate", "--target", str(tiny_target), "--rpc", f"127.0.0.1:{free_port()}", "--raw", "hi")
+    assert out.returncode == 2 and "no RPC server answers" in out.stderr and "Traceback" not in out.stderr
+    bad = cli("generate", "--target", str(tiny_target), "--rpc", "nohost", "--raw", "hi")
+    assert bad.returncode == 2 and "HOST:PORT" in bad.stderr
+
+
+class _OldServer(socketserver.BaseRequestHandler):
+    """Answers the hello as a server of protocol 6.0.0 would."""
+
+    def handle(self):
+        self.request.recv(1 + 8 + rpc.CAPS)
+        self.request.sendall(struct.pack("<QBBBB", 4 + rpc.CAPS, 6, 0, 0, 0) + bytes(rpc.CAPS))
+
+
+def test_a_protocol_mismatch_is_named(tiny_target):
+    with socketserver.TCPServer(("127.0.0.1", 0), _OldServer) as old:
+        threading.Thread(target=old.serve_forever, daemon=True).start()
+        endpoint = f"127.0.0.1:{old.server_address[1]}"
+        with pytest.raises(RemoteDeviceError, match="protocol 6.0.0"):
+            rpc.hello(endpoint)
+        out = cli("generate", "--target", str(tiny_target), "--rpc", endpoint, "--raw", "hi")
+        old.shutdown()
+    assert out.returncode == 2 and "protocol 6.0.0" in out.stderr

@@ -1,0 +1,153 @@
+"""The commands that run a model for a user: generate, chat, serve, and info about this machine."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from .. import models as catalog
+from ..batching import DEFAULT_PARALLEL
+from ..errors import ViaEdgeError
+from ..modes import DEFAULT_MODE
+from .app import app
+from .options import MODEL_OPTS, RUN_OPTS, SAMPLING_OPTS, SPEC_OPTS, Options, doing, err, mode_opt, shared, \
+    tuning_hint
+
+
+@app.command()
+@shared(MODEL_OPTS, SPEC_OPTS, SAMPLING_OPTS, RUN_OPTS)
+def generate(
+    prompt: Optional[str] = typer.Argument(None, help="The prompt (a user message unless --raw); - reads it "
+                                           "from standard input.", show_default=False),
+    prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from this file (long prompts)."),
+    mode: Optional[str] = mode_opt(DEFAULT_MODE),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Maximum new tokens."),
+    stop: List[str] = typer.Option([], help="Stop string (repeatable)."),
+    raw: bool = typer.Option(False, help="Do not apply the chat template."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object with text, stats and timings."),
+    opts: Options = None,
+) -> None:
+    """Generate text for PROMPT with the target alone (ar) or speculatively (sd, via, hier, lookup)."""
+    from ..responses import timings
+
+    text = _read_prompt(prompt, prompt_file)
+    with opts.engine(mode) as engine:
+        doing("generation", "nothing was written")
+        stream = engine.stream(text, max_tokens=max_tokens, stop=stop, mode=engine.mode, chat_template=not raw,
+                               **opts.sampling())
+        for piece in stream:
+            if not as_json:
+                sys.stdout.write(piece.text)
+                sys.stdout.flush()
+        res = stream.result
+        s = res.stats
+        if as_json:
+            out = res.to_dict()
+            out["models"] = {role: str(m.path) for role in ("target", "draft", "slim")
+                             if (m := getattr(engine.models, role)) is not None}
+            out["timings"] = timings(res)
+            typer.echo(json.dumps(out, indent=2))
+        else:
+            sys.stdout.write("\n")
+            err(f"[{res.mode}] {s.generated_tokens} tokens, {s.tokens_per_second:.1f} tok/s "
+                 f"(prompt {s.prompt_tokens} tokens, {s.prompt_tokens_per_second:.0f} tok/s)"
+                 + (f", accepted {s.draft_n_accepted}/{s.draft_n} drafted, {s.mean_accepted_per_round:.1f} per "
+                    f"round, drafts of {s.mean_draft_length:.1f}" if s.draft_n else "")
+                 + (f", {s.copied_tokens} copied from the context, {s.generated_tokens - s.copied_tokens} "
+                    f"generated" if res.mode == "lookup" else "")
+                 + (f", tiers A/B/C {s.tier_a}/{s.tier_b}/{s.tier_c}" if res.mode == "via" else ""))
+
+
+def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
+    if prompt is not None and prompt_file is not None:
+        raise ViaEdgeError("give the prompt as an argument or with --prompt-file, not both")
+    if prompt_file is not None:
+        try:
+            text = prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ViaEdgeError(f"cannot read --prompt-file {prompt_file}: {exc}") from exc
+    elif prompt == "-":
+        text = sys.stdin.read()
+    elif prompt is None:
+        raise ViaEdgeError("no prompt: give it as an argument, - for standard input, or --prompt-file PATH")
+    else:
+        text = prompt
+    if not text.strip():
+        raise ViaEdgeError("the prompt is empty")
+    return text
+
+
+
+@app.command()
+@shared(MODEL_OPTS, SPEC_OPTS, SAMPLING_OPTS, RUN_OPTS)
+def chat(
+    mode: Optional[str] = mode_opt(DEFAULT_MODE),
+    system: Optional[str] = typer.Option(None, help="System message."),
+    show_tiers: bool = typer.Option(False, help="Colour each token by origin: green draft, cyan copied from the context, yellow slim, blue target."),
+    max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Maximum tokens per answer."),
+    opts: Options = None,
+) -> None:
+    """Chat in the terminal, streaming, multi-turn (/help inside lists the commands)."""
+    from ..chat import run
+
+    with opts.engine(mode, progress=True) as engine:
+        tuning_hint(engine, opts.target)
+        doing("the chat", "nothing was written")
+        run(engine, system=system, max_tokens=max_tokens, show_tiers=show_tiers, **opts.sampling())
+
+
+@app.command()
+@shared(MODEL_OPTS, SPEC_OPTS, RUN_OPTS)
+def serve(
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default)."),
+    port: int = typer.Option(8080, help="Port to listen on."),
+    mode: Optional[str] = mode_opt(DEFAULT_MODE, "Default decoding mode; requests may set 'mode'"),
+    max_body: int = typer.Option(1 << 20, help="Largest request body in bytes."),
+    max_tokens_limit: int = typer.Option(4096, help="Largest max_tokens a request may ask for."),
+    parallel: int = typer.Option(DEFAULT_PARALLEL, "--parallel", "-np", help="Requests generated at once, batched "
+                                 "into shared decodes (slots; the context is split over them)."),
+    max_queue: int = typer.Option(16, help="Requests that may wait for a slot; one more gets a 503."),
+    drain: float = typer.Option(10.0, help="On SIGTERM or Ctrl-C, seconds running generations may take to "
+                                "finish before they are cancelled."),
+    opts: Options = None,
+) -> None:
+    """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)."""
+    from ..server import bind, run
+
+    sock = bind(host, port)  # a busy port fails here, before a model loads
+    with sock, opts.engine(mode, progress=True, n_parallel=parallel) as engine:
+        tuning_hint(engine, opts.target)
+        doing("the server", "nothing was written")
+        url = f"http://{host}:{sock.getsockname()[1]}/v1"
+        slots = f", {parallel} slots of {engine.target.n_ctx} tokens" if parallel > 1 else ""
+        run(engine, sock, on_ready=lambda: err(f"via-edge serving {engine.model_name} ({engine.mode}{slots}) "
+                                                f"on {url}"),
+            drain=drain, max_body=max_body, max_tokens_limit=max_tokens_limit, max_queue=max_queue)
+
+
+
+@app.command()
+def info() -> None:
+    """This machine and the llama.cpp build in use: flavor, features, CPU, where models and tuned
+    choices live. Tuned choices are kept per machine and build: one made on another is not used."""
+    from ..llama import default_threads
+    from ..machine import build, cpu_name, has_amx, machine_key, versions
+    from ..tuned import tuned_dir
+
+    b, v = build(), versions()
+    typer.echo(f"via-edge {v['via_edge']}, llama-cpp-python {v['llama-cpp-python']}")
+    typer.echo(f"llama.cpp build: {b['flavor']} ({b['source']}; AMX self-check: {b['self_check']})")
+    typer.echo(f"features: {' '.join(b['features'])}")
+    typer.echo(f"cpu: {cpu_name()}, {default_threads()} threads available; AMX in the CPU: "
+               f"{'yes' if has_amx() else 'no'}")
+    typer.echo(f"machine key: {machine_key()}  (CPU, cores and build: what tuned choices are kept under)")
+    typer.echo(f"models: {catalog.model_dir()}  (VIA_EDGE_MODEL_DIR)")
+    mine = sorted(p.name.split("--")[0] for p in tuned_dir().glob(f"*--{machine_key()}.choice.json"))
+    others = sorted(p.name for p in tuned_dir().glob("*.choice.json") if machine_key() not in p.name)
+    typer.echo(f"tuned choices: {tuned_dir()}; for this machine and build: {', '.join(mine) or 'none'}"
+               + (f"; {len(others)} made elsewhere (not used here)" if others else ""))
+

@@ -1,0 +1,440 @@
+"""One loaded GGUF with one context: load parameters, the vocabulary, and batched decodes.
+
+The context holds one or more KV sequences (`Seq`, one per server slot); the model's own
+decode/eval methods work on sequence 0. `decode_batch` carries several sequences' tokens in one
+llama_decode (the scheduler's continuous batching).
+
+Logits come back as read-only numpy views onto llama.cpp's output buffer (no copy of the
+vocabulary per row); a view is valid until the next decode on the same model.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from ..errors import ContextOverflowError, InvalidParameterError, ModelFileError, RemoteDeviceError
+from ..gguf_info import read_info
+from ..stats import ModelUsage
+from . import rpc
+from .capture import Capture
+from .grammar import GrammarState
+from .runtime import backend_init, default_threads, extra_bufts_default, lib, on_compute_thread
+from .sequence import Seq
+
+MAX_SEQ = 64  # sequences per context we accept (llama.cpp's own limit is higher)
+RPC_TIMEOUT = 60.0  # seconds a decode with RPC devices may take before its server counts as gone
+_KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}  # ggml_type values
+
+# What makes a multi-token batch compute exactly what single-token decodes compute (see LoadParams
+# and docs/benchmarks.md, "kernels"). Quantized models: no weight repacking, and batches of at most
+# 7 tokens (llama.cpp's defaults otherwise). F32 models: also an F32 KV cache and no flash attention.
+EXACT = {"use_extra_bufts": False}
+EXACT_F32 = {"use_extra_bufts": False, "kv_type": "f32", "flash_attn": False}
+
+
+@dataclass(frozen=True)
+class LoadParams:
+    """How to load a GGUF.
+
+    Batched and single-token decodes agree only as far as the kernels allow. Measured here:
+    quantized models without weight repacking (`use_extra_bufts=False`) give bit-identical logits
+    for batches of up to 7 tokens and differ from 8 on; with repacking, from 4 on. F32 models agree
+    to ~1e-5 for any batch with an F32 KV cache and flash attention off (`EXACT_F32`).
+    """
+
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_threads: int | None = None
+    n_threads_batch: int | None = None
+    n_gpu_layers: int = -1
+    flash_attn: bool | None = None
+    use_extra_bufts: bool | None = None
+    kv_type: str = "f16"
+    capture: tuple[str, ...] = field(default=())
+    n_seq: int = 1             # sequences (server slots) sharing the context; n_ctx is their total
+    kv_unified: bool = False   # one KV buffer all sequences attend through (else one per sequence)
+    rpc: tuple[str, ...] = ()  # RPC servers (HOST:PORT) that hold a share of the layers (llama/rpc.py)
+    tensor_split: tuple[float, ...] = ()  # with rpc: the shares of this machine, then of each server
+
+    def resolved_extra_bufts(self) -> bool:
+        return extra_bufts_default() if self.use_extra_bufts is None else self.use_extra_bufts
+
+
+class LlamaModel:
+    """A GGUF loaded into llama.cpp with one context; release with `close()` or `with`."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        params: LoadParams = LoadParams(),
+        *,
+        progress: Callable[[float], None] | None = None,
+    ) -> None:
+        self._model = None
+        self._ctx = None
+        self._batch = None
+        self._remote: _RemoteSplit | None = None
+        self.path = Path(path)
+        n_block = read_info(self.path).block_count  # clear errors for missing, foreign and truncated files
+        backend_init()
+        lc = lib()
+        self.params = params
+
+        mp = lc.llama_model_default_params()
+        mp.n_gpu_layers = params.n_gpu_layers
+        mp.use_extra_bufts = params.resolved_extra_bufts()
+        self._remote = _RemoteSplit(params, n_block) if params.rpc else None
+        if self._remote is not None:
+            self._remote.apply(mp)
+        if progress is not None:
+            def _on_progress(value: float, _user: ctypes.c_void_p) -> bool:
+                progress(float(value))
+                return True
+
+            self._progress_cb = lc.llama_progress_callback(_on_progress)
+            mp.progress_callback = self._progress_cb
+        self._model = on_compute_thread(lc.llama_model_load_from_file, str(self.path).encode(), mp)
+        if not self._model:
+            raise ModelFileError(f"llama.cpp could not load {self.path} (unsupported or damaged model)")
+        self._vocab = lc.llama_model_get_vocab(self._model)
+
+        n_ctx_train = lc.llama_model_n_ctx_train(self._model)
+        if not 1 <= params.n_seq <= MAX_SEQ:
+            raise InvalidParameterError(f"the number of sequences must be in 1..{MAX_SEQ}, got {params.n_seq}")
+        per_seq = params.n_ctx // params.n_seq  # split the way llama-server splits it over its slots
+        per_seq = min(per_seq, n_ctx_train) if n_ctx_train > 0 else per_seq
+        if per_seq < 16:
+            raise InvalidParameterError(f"n_ctx={params.n_ctx} over {params.n_seq} sequences leaves "
+                                        f"{per_seq} tokens each; raise n_ctx (--ctx)")
+        n_ctx = per_seq * params.n_seq
+        cp = lc.llama_context_default_params()
+        cp.n_ctx = n_ctx
+        cp.n_batch = min(params.n_batch, n_ctx)
+        cp.n_ubatch = min(params.n_ubatch, cp.n_batch)
+        cp.n_seq_max = params.n_seq
+        cp.kv_unified = params.kv_unified
+        cp.n_threads = params.n_threads or default_threads()
+        cp.n_threads_batch = params.n_threads_batch or cp.n_threads
+        cp.flash_attn_type = {None: lc.LLAMA_FLASH_ATTN_TYPE_AUTO, True: lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                              False: lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}[params.flash_attn]
+        if params.kv_type not in _KV_TYPES:
+            raise InvalidParameterError(f"kv_type must be one of {', '.join(_KV_TYPES)}")
+        cp.type_k = cp.type_v = _KV_TYPES[params.kv_type]
+        cp.no_perf = True
+        self._capture = Capture(params.capture) if params.capture else None
+        if self._capture is not None:
+            cp.cb_eval = self._capture.callback
+        self._ctx = on_compute_thread(lc.llama_init_from_model, self._model, cp)
+        if not self._ctx:
+            self.close()
+            raise ModelFileError(f"llama.cpp could not create a context for {self.path}")
+        self._mem = lc.llama_get_memory(self._ctx)
+        self.n_ctx_total = lc.llama_n_ctx(self._ctx)
+        self.n_ctx = self.n_ctx_total // params.n_seq  # what one sequence may hold
+        self.n_batch = cp.n_batch
+        self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
+        self.n_layer = lc.llama_model_n_layer(self._model)
+        self.n_embd = lc.llama_model_n_embd(self._model)
+        self.n_ctx_train = n_ctx_train
+        self.bos = lc.llama_vocab_bos(self._vocab)
+        self.eos = lc.llama_vocab_eos(self._vocab)
+        self.add_bos = bool(lc.llama_vocab_get_add_bos(self._vocab))
+        self.vocab_type = lc.llama_vocab_type(self._vocab)
+        self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
+        self._logits_ptr_type = ctypes.POINTER(ctypes.c_float)
+        self.lock = threading.Lock()  # one llama.cpp call on this context at a time
+        self.seqs = [Seq(self, i, self.n_ctx) for i in range(params.n_seq)]
+        self.usage = ModelUsage()  # every decode, whichever sequences it carried
+
+    # ---- lifetime -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the model once no call is using it (a server's worker may still be decoding)."""
+        if not (self._model or self._ctx or self._batch is not None):
+            return
+        lock = getattr(self, "lock", None)
+        if lock is None or sys.is_finalizing():  # half-built, or at exit, where a holder may be frozen
+            self._free()
+            return
+        with lock:
+            on_compute_thread(self._free)
+
+    def _free(self) -> None:
+        if self._remote is not None and rpc.failure():  # freeing would talk to a dead server: let it go
+            self._batch = self._ctx = self._model = None
+            return
+        lc = lib()
+        if self._batch is not None:
+            lc.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            lc.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            lc.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> "LlamaModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ---- vocabulary -----------------------------------------------------------------------------
+    def tokenize(self, text: str | bytes, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        lc = lib()
+        try:
+            data = text if isinstance(text, bytes) else text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate, e.g. JSON's "\ud800"
+            raise InvalidParameterError(f"the text is not valid Unicode: a lone surrogate "
+                                        f"{text[exc.start]!r} at character {exc.start}") from None
+        cap = len(data) + 8
+        buf = (lc.llama_token * cap)()
+        n = lc.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (lc.llama_token * cap)()
+            n = lc.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int, *, special: bool = False) -> bytes:
+        """The raw bytes of one token: may be part of a UTF-8 character (see text.StreamDecoder)."""
+        lc = lib()
+        buf = ctypes.create_string_buffer(64)
+        n = lc.llama_token_to_piece(self._vocab, token, buf, 64, 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = lc.llama_token_to_piece(self._vocab, token, buf, -n, 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: Iterable[int], *, special: bool = False) -> str:
+        return b"".join(self.token_bytes(t, special=special) for t in tokens).decode("utf-8", "replace")
+
+    def token_text(self, token: int) -> bytes:
+        """The vocabulary's stored text for a token (what llama.cpp compares between models)."""
+        return lib().llama_vocab_get_text(self._vocab, token) or b""
+
+    def is_eog(self, token: int) -> bool:
+        return bool(lib().llama_vocab_is_eog(self._vocab, token))
+
+    @property
+    def n_remote_layers(self) -> int:
+        """Blocks this model keeps on RPC servers (0: all here)."""
+        return 0 if self._remote is None else self._remote.n_remote
+
+    def grammar(self, gbnf: str, root: str = "root") -> GrammarState:
+        """The start state of a GBNF grammar over this model's vocabulary."""
+        return GrammarState(self, self._vocab, gbnf, root)
+
+    @property
+    def chat_template(self) -> str | None:
+        raw = lib().llama_model_chat_template(self._model, None)
+        return raw.decode("utf-8") if raw else None
+
+    # ---- decoding (sequence 0; other sequences through `seqs`) ---------------------------------
+    @property
+    def tokens(self) -> list[int]:
+        return self.seqs[0].tokens
+
+    @tokens.setter
+    def tokens(self, value: list[int]) -> None:
+        self.seqs[0].tokens = value
+
+    @property
+    def n_past(self) -> int:
+        return len(self.seqs[0].tokens)
+
+    def truncate(self, n: int) -> None:
+        self.seqs[0].truncate(n)
+
+    def reset(self) -> None:
+        """Empty every sequence's KV cache."""
+        with self.lock:
+            lib().llama_memory_clear(self._mem, True)
+            for seq in self.seqs:
+                seq.tokens.clear()
+
+    def decode(self, tokens: Sequence[int], rows: Sequence[int] | str = "last") -> np.ndarray:
+        return self.seqs[0].decode(tokens, rows)
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        self.seqs[0].prefill(tokens)
+
+    def eval(self, tokens: Sequence[int], n_rows: int = 1) -> np.ndarray:
+        return self.seqs[0].eval(tokens, n_rows)
+
+    def seq_state(self) -> bytes:
+        return self.seqs[0].state()
+
+    def set_seq_state(self, data: bytes, tokens: Sequence[int]) -> None:
+        self.seqs[0].set_state(data, tokens)
+
+    def decode_batch(self, parts: Sequence[tuple[Seq, Sequence[int], Sequence[int]]]) -> list[np.ndarray]:
+        """One llama_decode of several sequences' tokens: `parts` are (sequence, tokens appended at
+        its next positions, row indices into those tokens), at most `n_batch` tokens in all.
+
+        Returns each part's rows as its own array (copied: another part's owner may decode again
+        before this one has read them).
+        """
+        total = sum(len(toks) for _, toks, _ in parts)
+        if not 0 < total <= self.n_batch:
+            raise ValueError(f"a batch holds 1..{self.n_batch} tokens, got {total}")
+        for seq, toks, _ in parts:
+            if seq.n_past + len(toks) > seq.n_ctx:
+                raise ContextOverflowError(f"context window full: {seq.n_past} + {len(toks)} tokens exceed "
+                                           f"the sequence's n_ctx={seq.n_ctx}")
+        # in ascending sequence order: llama.cpp splits a batch of unordered sequences into one
+        # ubatch per sequence (measured: 4 sequences x 1 token 172 ms in order, 277-350 ms shuffled)
+        order = sorted(range(len(parts)), key=lambda i: parts[i][0].id)
+        out: list[np.ndarray] = [None] * len(parts)  # type: ignore[list-item]
+        with self.lock:
+            logits = self.run_batch([parts[i] for i in order])
+            at = 0
+            for i in order:
+                n = len(parts[i][2])
+                out[i] = np.array(logits[at:at + n])
+                at += n
+        return out
+
+    def run_batch(self, parts: Sequence[tuple[Seq, Sequence[int], Sequence[int]]]) -> np.ndarray:
+        """Fill the batch, decode, account; logits rows in batch order (a view). Caller holds the lock."""
+        if self._batch is None:
+            raise RuntimeError(f"{self.path.name} is closed")
+        lc = lib()
+        b = self._batch
+        i = n_rows = 0
+        starts = []
+        for seq, chunk, rows in parts:
+            pos0, sid = len(seq.tokens), seq.id
+            starts.append(pos0)
+            flags = bytearray(len(chunk))
+            for r in rows:
+                flags[r] = 1
+            n_rows += len(rows)
+            for j, tok in enumerate(chunk):
+                b.token[i] = tok
+                b.pos[i] = pos0 + j
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = sid
+                b.logits[i] = flags[j]
+                i += 1
+        b.n_tokens = i
+        if self._capture is not None:
+            self._capture.begin()
+        rc, dt = self._compute_decode(b)
+        self.usage.calls += 1
+        self.usage.tokens += i
+        self.usage.seconds += dt
+        if rc != 0:
+            # the cache may hold part of the batch: drop it so every `tokens` stays the truth
+            for (seq, chunk, _), pos0 in zip(parts, starts):
+                self.kv_remove(seq.id, pos0)
+            if rc == 1:
+                raise ContextOverflowError(f"no KV cache slot for {i} tokens")
+            raise RuntimeError(f"llama_decode failed with code {rc}")
+        for seq, chunk, _ in parts:
+            seq.tokens.extend(chunk)
+            seq.usage.calls += 1
+            seq.usage.tokens += len(chunk)
+            seq.usage.seconds += dt
+        if not n_rows:
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        ptr = ctypes.cast(lc.llama_get_logits(self._ctx), self._logits_ptr_type)
+        view = np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab))
+        view.flags.writeable = False
+        return view
+
+    # ---- KV cache of one sequence (the caller holds the lock) --------------------------------------
+    def kv_remove(self, seq_id: int, start: int) -> None:
+        """Drop a sequence's cache from position `start` on."""
+        lib().llama_memory_seq_rm(self._mem, seq_id, start, -1)
+
+    def kv_state(self, seq_id: int) -> bytes:
+        lc = lib()
+        size = lc.llama_state_seq_get_size(self._ctx, seq_id)
+        buf = (ctypes.c_uint8 * size)()
+        n = lc.llama_state_seq_get_data(self._ctx, buf, size, seq_id)
+        return ctypes.string_at(buf, n)
+
+    def kv_set_state(self, seq_id: int, data: bytes) -> None:
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if lib().llama_state_seq_set_data(self._ctx, buf, len(data), seq_id) == 0:
+            raise RuntimeError("llama.cpp refused the sequence state")
+
+    def _compute_decode(self, batch) -> tuple[int, float]:
+        if self._remote is None:
+            return on_compute_thread(self._decode, batch)
+        if rpc.failure():
+            raise RemoteDeviceError(f"{self.path.name} has layers on an RPC server that failed ({rpc.failure()}); "
+                                    "restart with the servers running")
+        try:
+            return on_compute_thread(self._decode, batch, timeout=RPC_TIMEOUT)
+        except TimeoutError:
+            rpc.fail(f"no answer within {RPC_TIMEOUT:g} s")
+            raise RemoteDeviceError(f"an RPC server holding layers of {self.path.name} did not answer within "
+                                    f"{RPC_TIMEOUT:g} s") from None
+
+    def _decode(self, batch) -> tuple[int, float]:
+        """llama_decode on the compute thread: its return code and seconds."""
+        lc = lib()
+        t0 = time.perf_counter()
+        rc = lc.llama_decode(self._ctx, batch)
+        lc.llama_synchronize(self._ctx)  # Metal computes asynchronously; time the real work
+        return rc, time.perf_counter() - t0
+
+    def captured(self, name: str) -> np.ndarray:
+        """Rows of an intermediate tensor (e.g. `l_out-3`) from the last decode; needs `capture`."""
+        if self._capture is None:
+            raise RuntimeError("load with LoadParams(capture=(...)) to read intermediate tensors")
+        return self._capture.result(name, self.n_embd)
+
+
+
+class _RemoteSplit:
+    """Where the layers of a model with RPC servers go. llama.cpp offloads the last `n_gpu_layers`
+    blocks to the devices it is given and keeps the rest on this machine's CPU; the offloaded ones
+    are split among the devices by `tensor_split`. The shares (this machine's first) come from
+    `LoadParams.tensor_split`, or else from each side's free memory, llama.cpp's own default rule
+    with this machine counted as one more device. Draft and slim models never use it."""
+
+    def __init__(self, params: LoadParams, n_block: int) -> None:
+        rpc.catch_aborts()
+        # on the compute thread: should ggml abort while connecting, that call fails, not the caller's thread
+        try:
+            self.devices = on_compute_thread(rpc.devices, list(params.rpc), timeout=RPC_TIMEOUT)
+        except TimeoutError:
+            raise RemoteDeviceError(f"the RPC servers {', '.join(params.rpc)} did not answer within "
+                                    f"{RPC_TIMEOUT:g} s") from None
+        n = len(self.devices)
+        shares = list(params.tensor_split) or [rpc.free_memory(rpc.cpu_device())] + [rpc.free_memory(d)
+                                                                                   for d in self.devices]
+        if len(shares) != n + 1 or any(x < 0 for x in shares) or sum(shares) <= 0:
+            raise InvalidParameterError(f"--tensor-split takes {n + 1} shares >= 0, this machine's then one per RPC "
+                                        f"device, got {list(params.tensor_split)}", "tensor_split")
+        local = shares[0] / sum(shares)
+        # all blocks remote: the output layer too (n_gpu_layers past the block count)
+        self.n_remote = n_block + 1 if local == 0 else round(n_block * (1 - local))
+        self.shares = shares[1:]
+
+    def apply(self, mp) -> None:
+        lc = lib()
+        self._devices = (ctypes.c_void_p * (len(self.devices) + 1))(*self.devices, None)  # NULL-terminated
+        mp.devices = ctypes.cast(self._devices, ctypes.c_void_p)  # declared void* by the bindings
+        mp.n_gpu_layers = self.n_remote
+        self._split = (ctypes.c_float * lc.llama_max_devices())(*self.shares)
+        mp.tensor_split = ctypes.cast(self._split, ctypes.POINTER(ctypes.c_float))

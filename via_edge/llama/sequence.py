@@ -1,0 +1,150 @@
+"""One KV sequence of a context, and the token bookkeeping that keeps it in sync.
+
+A sequence remembers which tokens its KV cache holds, so callers hand it the whole token
+context and it decodes only what is new, rolling back whatever diverged.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from ..errors import ContextOverflowError
+from ..stats import ModelUsage
+
+if TYPE_CHECKING:
+    from .model import LlamaModel
+
+
+class Seq:
+    """One sequence of a model's KV cache: its id, the tokens it holds (position i = tokens[i]),
+    its share of the context and of the decode work.
+
+    It hands the model the whole token context and decodes only what is new, rolling back
+    whatever diverged: that is how the draft, the slim verifier and the target stay in sync
+    without re-prefilling each round.
+    """
+
+    def __init__(self, model: LlamaModel, seq_id: int, n_ctx: int) -> None:
+        self.model, self.id, self.n_ctx = model, seq_id, n_ctx
+        self.tokens: list[int] = []
+        self.usage = ModelUsage()
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    def truncate(self, n: int) -> None:
+        """Roll this sequence's KV back so that it holds its first `n` tokens."""
+        if n < len(self.tokens):
+            with self.model.lock:
+                self.model.kv_remove(self.id, n)
+            del self.tokens[n:]
+
+    def reset(self) -> None:
+        self.truncate(0)
+
+    def decode(self, tokens: Sequence[int], rows: Sequence[int] | str = "last") -> np.ndarray:
+        """Append `tokens` at the next positions; logits for the asked rows (indices into `tokens`).
+
+        `rows` is "last", "all", "none" or a sorted list of indices. Returns (len(rows), n_vocab)
+        float32, a read-only view when the rows fall in one llama.cpp batch.
+        """
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("decode needs at least one token")
+        want = row_indices(rows, n)
+        if self.n_past + n > self.n_ctx:
+            raise ContextOverflowError(
+                f"context window full: {self.n_past} + {n} tokens exceed its {self.n_ctx}; raise n_ctx (--ctx)"
+            )
+        model = self.model
+        out = None
+        filled = 0
+        for start in range(0, n, model.n_batch):
+            chunk = tokens[start:start + model.n_batch]
+            chunk_rows = [r - start for r in want if start <= r < start + len(chunk)]
+            with model.lock:
+                view = model.run_batch(((self, chunk, chunk_rows),))
+            if chunk_rows and len(chunk_rows) == len(want):
+                return view
+            if chunk_rows:
+                if out is None:
+                    out = np.empty((len(want), model.n_vocab), dtype=np.float32)
+                out[filled:filled + len(chunk_rows)] = view
+                filled += len(chunk_rows)
+        return out if out is not None else np.empty((0, model.n_vocab), dtype=np.float32)
+
+    def plan_prefill(self, tokens: Sequence[int]) -> Sequence[int]:
+        """Roll back to the common prefix with `tokens`; what is left to decode."""
+        keep = common_prefix(self.tokens, tokens)
+        self.truncate(keep)
+        return tokens[keep:]
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        """Make the KV cache hold exactly `tokens`, computing no logits."""
+        missing = self.plan_prefill(tokens)
+        if missing:
+            self.decode(missing, "none")
+
+    def plan_eval(self, tokens: Sequence[int], n_rows: int) -> tuple[Sequence[int], list[int]]:
+        """Roll back for an eval of `tokens`: (tokens to decode, their rows to return)."""
+        n = len(tokens)
+        if not 1 <= n_rows <= n:
+            raise ValueError(f"n_rows must be in 1..{n}")
+        keep = reuse_point(self.tokens, tokens, n_rows)
+        self.truncate(keep)
+        missing = tokens[keep:]
+        first_row = len(missing) - n_rows
+        return missing, list(range(first_row, len(missing)))
+
+    def eval(self, tokens: Sequence[int], n_rows: int = 1) -> np.ndarray:
+        """Make the KV cache hold exactly `tokens`; logits of its last `n_rows` positions.
+
+        Reuses the longest common prefix already in the cache, rolls back the rest and decodes
+        what is missing in one batch. Row j predicts the token after tokens[len - n_rows + j].
+        """
+        return self.decode(*self.plan_eval(tokens, n_rows))
+
+    # ---- state (KV import for prefix slims) -----------------------------------------------------
+    def state(self) -> bytes:
+        with self.model.lock:
+            return self.model.kv_state(self.id)
+
+    def set_state(self, data: bytes, tokens: Sequence[int]) -> None:
+        self.reset()
+        with self.model.lock:
+            self.model.kv_set_state(self.id, data)
+        self.tokens = list(tokens)
+
+
+def row_indices(rows: Sequence[int] | str, n: int) -> list[int]:
+    """Which of `n` decoded tokens get logits: "last", "all", "none" or the indices given."""
+    if rows == "last":
+        return [n - 1]
+    if rows == "all":
+        return list(range(n))
+    if rows == "none":
+        return []
+    return list(rows)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the shared prefix; contexts usually differ only near the end, so compare the
+    bulk as slices (C speed) and walk only the tail in Python."""
+    n = min(len(a), len(b))
+    lo = 0
+    for probe in (n, n - 64, n - 1024):
+        if probe > 0 and a[:probe] == b[:probe]:
+            lo = probe
+            break
+    while lo < n and a[lo] == b[lo]:
+        lo += 1
+    return lo
+
+
+def reuse_point(cached: Sequence[int], tokens: Sequence[int], n_rows: int) -> int:
+    """How much of a cache holding `cached` an eval of `tokens` keeps: the common prefix, but never
+    the positions whose rows are asked for (their logits must be computed)."""
+    return min(common_prefix(cached, tokens), len(tokens) - n_rows)

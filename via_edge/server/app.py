@@ -1,0 +1,160 @@
+"""`via-edge serve`: an OpenAI-compatible HTTP server around one Engine (FastAPI + uvicorn).
+
+The engine has `n_parallel` slots; up to that many requests generate at once, batched into shared
+decodes (batching.py), each in a worker thread that stops at its next token when its client
+disconnects and then frees its slot. Requests beyond the slots wait in a FIFO queue of at most
+`max_queue`; one more gets an OpenAI-shaped 503 (with Retry-After) at once, never a hang. A request
+that hangs up while queued leaves the queue. Each response's `timings.queued_ms` says how long it
+waited.
+
+Every request is checked completely before it waits for its turn: the body's size while it is
+read in (chunked or not), its fields against typed models, sampling values, the prompt's token
+ids against the vocabulary and its length against the context. A bad request gets OpenAI's error
+JSON with status 400 (413 for a body too large) naming the field, streaming or not.
+
+protocol  request bodies, errors, checks (what a request asks for)
+dispatch  the queue and the slots' worker threads (how it is run)
+app       the routes, the listening socket and the process's lifetime
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import sys
+import time
+from typing import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from ..responses import respond
+from ..engine import Engine
+from ..errors import RemoteDeviceError, ViaEdgeError
+from ..llama import rpc
+from .dispatch import Dispatcher
+from .protocol import ChatBody, CompletionBody, HTTPError, Requests
+
+MAX_BODY = 1 << 20
+
+
+def create_app(engine: Engine, *, max_body: int = MAX_BODY, max_tokens_limit: int = 4096, max_queue: int = 16,
+               on_ready: Callable[[], None] | None = None) -> FastAPI:
+    requests = Requests(engine, max_body, max_tokens_limit)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        app.state.dispatch = Dispatcher(engine.n_parallel, max_queue)  # on the server's own event loop
+        if on_ready is not None:  # the socket is listening by now: say so
+            on_ready()
+        yield
+        app.state.dispatch.close()
+
+    app = FastAPI(title="via-edge", version="0.1", lifespan=lifespan)
+    started = time.time()
+    fmt = engine.weight_format  # read once: the GGUF header does not change while serving
+
+    @app.exception_handler(HTTPError)
+    async def _http_error(_request, exc: HTTPError):
+        response = exc.response()
+        if exc.status == 503:
+            response.headers["Retry-After"] = "1"
+        return response
+
+    @app.exception_handler(ViaEdgeError)
+    async def _user_error(_request, exc: ViaEdgeError):
+        if isinstance(exc, RemoteDeviceError):  # the target's RPC server is gone: nothing the request can fix
+            return HTTPError(503, str(exc), kind="server_error", code="rpc_failed").response()
+        return HTTPError(400, str(exc)).response()
+
+    def slots() -> dict:
+        """The context split the way llama-server splits it: n_ctx_total over `parallel` slots."""
+        return {"parallel": engine.n_parallel, "n_ctx": engine.target.n_ctx, "n_ctx_slot": engine.target.n_ctx,
+                "n_ctx_total": engine.target.n_ctx_total}
+
+    @app.get("/health")
+    async def health(request: Request):
+        d: Dispatcher = request.app.state.dispatch
+        out = {"status": "ok", "model": engine.model_name, "mode": engine.mode, **slots(), "weights": fmt,
+               "slots_busy": engine.slots_busy, "queued": d.gate.queued, "max_queue": d.gate.max_queue,
+               "served": d.served, "cancelled": d.cancelled}
+        if engine.load.rpc:
+            failed = rpc.failure()
+            out["rpc"] = f"an RPC server failed: {failed}" if failed else f"ok: {', '.join(engine.load.rpc)}"
+            if failed:
+                return JSONResponse(out | {"status": "error"}, status_code=503)
+        return out
+
+    @app.post("/slots")
+    async def slots_action(action: str):
+        """llama-server's slot erase, for every slot at once: forget the cached prompts (a benchmark
+        that must start cold, or a user who wants the memory back). Refused while any generates."""
+        if action != "erase":
+            raise HTTPError(400, f"unknown slot action {action!r}; the one action is 'erase'", param="action")
+        if engine.slots_busy:
+            raise HTTPError(409, f"{engine.slots_busy} slots are generating; erase when idle", code="slots_busy")
+        engine.reset()
+        return {"erased": engine.n_parallel}
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": int(started),
+                                            "owned_by": "via-edge", "meta": {**slots(), "mode": engine.mode,
+                                                                            "weights": fmt}}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await requests.read(request, CompletionBody)
+        kw, tokens = requests.params(body), requests.completion_tokens(body)
+        shape = {"prompt_text": requests.prompt_text(body, tokens), "echo": body.echo}
+        return await generate(request, tokens, "completion", body.stream, kw | shape)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await requests.read(request, ChatBody)
+        kw = requests.params(body)
+        tokens = requests.chat_tokens(body, kw.get("tools"))
+        return await generate(request, tokens, "chat", body.stream, kw)
+
+    async def generate(request: Request, tokens: list[int], kind: str, stream: bool, kw: dict):
+        def make(stop: Callable[[], bool], arrived: float):
+            return respond(engine, tokens, kind, stream, should_stop=stop, arrived=arrived, **kw)
+
+        return await request.app.state.dispatch.respond(request, make, stream)
+
+    return app
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, taken before any model loads, so a busy port fails at once."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as exc:
+        raise ViaEdgeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+                           + (" (another server uses it; pick another --port)" if exc.errno == 98 else "")) from exc
+    return sock
+
+
+def run(engine: Engine, sock: socket.socket, on_ready: Callable[[], None] | None = None, drain: float = 10.0,
+        **kwargs) -> None:
+    """Serve until SIGTERM or Ctrl-C, then let running generations finish for up to `drain`
+    seconds (saying how many), and cancel what is left."""
+    import uvicorn
+
+    app = create_app(engine, on_ready=on_ready, **kwargs)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:
+            if not self.should_exit and (engine.slots_busy or app.state.dispatch.gate.queued):
+                sys.stderr.write(f"via-edge: stopping; {engine.slots_busy} running generations may finish for "
+                                 f"up to {drain:g} s, {app.state.dispatch.gate.queued} queued requests are dropped\n")
+                sys.stderr.flush()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=drain)
+    Server(config).run(sockets=[sock])
+

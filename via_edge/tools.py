@@ -1,0 +1,225 @@
+"""Tool calls, OpenAI style, on models that write them as Hermes/Qwen `<tool_call>` blocks.
+
+A request's `tools` go through the model's chat template (Qwen2.5's renders them itself); a
+template that knows nothing of tools gets them as a system message in the same words, and the
+conversation's earlier calls and results as the text the model would have seen. The answer's
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks become OpenAI `tool_calls`.
+`tool_choice` "required" or a named function constrains the answer to such blocks with a grammar
+made from the functions' parameter schemas, so it parses whatever the model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Sequence
+
+from .errors import InvalidParameterError
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
+
+
+@dataclass(frozen=True)
+class Tools:
+    """A request's functions and its tool_choice: "none", "auto", "required" or one function's name."""
+
+    functions: tuple[Mapping[str, Any], ...]
+    choice: str
+    named: str | None = None
+
+    @classmethod
+    def parse(cls, tools: Any, tool_choice: Any = None) -> "Tools | None":
+        if tools is None:
+            if tool_choice not in (None, "none"):
+                raise InvalidParameterError("'tool_choice' needs 'tools'", "tool_choice")
+            return None
+        if not isinstance(tools, list) or not tools:
+            raise InvalidParameterError("'tools' must be a non-empty list of functions", "tools")
+        functions = []
+        for i, t in enumerate(tools):
+            f = t.get("function") if isinstance(t, Mapping) and t.get("type", "function") == "function" else None
+            if not isinstance(f, Mapping) or not isinstance(f.get("name"), str) or not f["name"]:
+                raise InvalidParameterError(f"'tools.{i}' must be {{\"type\": \"function\", \"function\": "
+                                            "{\"name\": ..., \"parameters\": {...}}}", f"tools.{i}")
+            if not isinstance(f.get("parameters", {}), Mapping):
+                raise InvalidParameterError(f"'tools.{i}.function.parameters' must be a JSON schema object",
+                                            f"tools.{i}")
+            functions.append(f)
+        names = [f["name"] for f in functions]
+        if tool_choice is None or tool_choice in ("none", "auto", "required"):
+            return cls(tuple(functions), tool_choice or "auto")
+        name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, Mapping) else None
+        if name not in names:
+            raise InvalidParameterError("'tool_choice' must be none, auto, required or {\"type\": \"function\", "
+                                        f"\"function\": {{\"name\": one of {names}}}}}", "tool_choice")
+        return cls(tuple(functions), "named", name)
+
+    @property
+    def offered(self) -> list[dict]:
+        """The tools the template sees (none with tool_choice "none")."""
+        return [] if self.choice == "none" else [{"type": "function", "function": dict(f)} for f in self.functions]
+
+    def grammar(self) -> str | None:
+        """GBNF for one or more calls, each of an offered function with arguments matching its
+        schema; None where the model may answer in prose (auto, none)."""
+        if self.choice not in ("required", "named"):
+            return None
+        from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+        funcs = [f for f in self.functions if self.choice == "required" or f["name"] == self.named]
+        calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                                   "arguments": f.get("parameters") or {"type": "object"}},
+                  "required": ["name", "arguments"], "additionalProperties": False} for f in funcs]
+        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        try:
+            body = json_schema_to_gbnf(json.dumps(schema), prop_order=["name", "arguments"])
+        except Exception as exc:  # the converter raises bare exceptions for what it does not support
+            raise InvalidParameterError(f"a tool's parameters cannot be turned into a grammar: {exc}",
+                                        "tools") from None
+        body = re.sub(r"^root ::=", "call ::=", body, count=1, flags=re.M)
+        return body + f'\nroot ::= {json.dumps(OPEN + chr(10))} call {json.dumps(chr(10) + CLOSE)}\n'
+
+
+def constrain(tools: "Tools | None", kwargs: dict) -> dict:
+    """`kwargs` (Engine.stream's) with the grammar tool_choice asks for; a request may not also
+    constrain the answer in another way."""
+    gbnf = tools.grammar() if tools is not None else None
+    if gbnf is None:
+        return kwargs
+    if kwargs.get("grammar") is not None or (kwargs.get("response_format") or {}).get("type", "text") != "text":
+        raise InvalidParameterError("tool_choice required or named constrains the answer already: drop "
+                                    "'grammar' / 'response_format'", "tool_choice")
+    return {**kwargs, "grammar": gbnf}
+
+
+def template_messages(messages: Sequence[Mapping[str, Any]], tools: "Tools | None",
+                      template: str | None) -> tuple[list[dict], list[dict] | None]:
+    """Messages and tools as the chat template takes them.
+
+    Arguments of earlier calls are objects there (templates write them with `tojson`). A template
+    that does not mention tools gets them as a first system message, earlier calls as the blocks
+    the model writes and tool results as user turns, in Qwen2.5's own words.
+    """
+    native = bool(template) and "tool" in template
+    offered = tools.offered if tools is not None else []
+    out: list[dict] = []
+    for m in messages:
+        m = dict(m)
+        calls = m.get("tool_calls")
+        if calls:
+            m["tool_calls"] = [_template_call(c) for c in calls]
+            if not native:
+                blocks = "\n".join(f'{OPEN}\n{json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})}\n{CLOSE}'
+                                   for c in m.pop("tool_calls"))
+                m["content"] = ((m.get("content") or "") + "\n" + blocks).lstrip("\n")
+        if m.get("content") is None:
+            m["content"] = ""
+        if m["role"] == "tool" and not native:
+            m = {"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+        out.append(m)
+    if offered and not native:
+        system = "\n\n" + _describe(offered)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": out[0]["content"] + system}
+        else:
+            out.insert(0, {"role": "system", "content": "You are a helpful assistant." + system})
+        return out, None
+    return out, offered or None
+
+
+def _template_call(call: Mapping[str, Any]) -> dict:
+    f = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(f, Mapping) or not isinstance(f.get("name"), str):
+        raise InvalidParameterError("each 'tool_calls' entry needs a function with a name", "messages")
+    args = f.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise InvalidParameterError(f"the arguments of the call to {f['name']} are not JSON", "messages") from None
+    return {"id": call.get("id"), "type": "function", "function": {"name": f["name"], "arguments": args}}
+
+
+def _describe(tools: list[dict]) -> str:
+    listing = "\n".join(json.dumps(t) for t in tools)
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
+            f"with function signatures within <tools></tools> XML tags:\n<tools>\n{listing}\n</tools>\n\nFor each "
+            "function call, return a json object with function name and arguments within <tool_call></tool_call> "
+            'XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def parse_calls(text: str) -> tuple[str | None, list[dict]]:
+    """The answer's prose (None if there is none) and its tool calls in OpenAI's shape; a block
+    that is not a call (not JSON, no name) stays in the prose."""
+    calls, prose, at = [], [], 0
+    for m in _BLOCK.finditer(text):
+        call = _call(m.group(1))
+        if call is None:
+            continue
+        prose.append(text[at:m.start()])
+        at = m.end()
+        calls.append(call)
+    prose.append(text[at:])
+    content = "".join(prose).strip()
+    return (content or None) if calls else text, calls
+
+
+def _call(body: str) -> dict | None:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return None
+    args = data.get("arguments", {})
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": data["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}}
+
+
+class CallStream:
+    """Streamed text split into prose and calls: prose goes out as it comes, except what may be
+    the start of a `<tool_call>` block, which waits until the block is complete (then one call)
+    or proves not to be one (then prose)."""
+
+    def __init__(self) -> None:
+        self.held = ""
+        self.n_calls = 0
+
+    def feed(self, text: str) -> Iterator[str | dict]:
+        self.held += text
+        while True:
+            start = self.held.find(OPEN)
+            if start < 0:
+                keep = _partial_open(self.held)
+                if len(self.held) > keep:
+                    yield self.held[:len(self.held) - keep]
+                    self.held = self.held[len(self.held) - keep:]
+                return
+            if start:
+                yield self.held[:start]
+                self.held = self.held[start:]
+            end = self.held.find(CLOSE)
+            if end < 0:
+                return
+            block, self.held = self.held[:end + len(CLOSE)], self.held[end + len(CLOSE):]
+            call = _call(block[len(OPEN):-len(CLOSE)].strip())
+            if call is None:
+                yield block
+            else:
+                self.n_calls += 1
+                yield call
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return held
+
+
+def _partial_open(text: str) -> int:
+    """How many characters at the end of `text` could begin `<tool_call>`."""
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-n:]):
+            return n
+    return 0
