@@ -14,11 +14,11 @@ import time
 import httpx
 import pytest
 
-from conftest import EXACT
+from conftest import EXACT, make_tiny_gguf
 from test_server import free_port, start
 from via_edge import Engine, SpecParams
 from via_edge.errors import RemoteDeviceError
-from via_edge.llama import rpc
+from via_edge.llama import LlamaModel, LoadParams, rpc
 
 pytestmark = pytest.mark.skipif(not rpc.available(), reason="llama-cpp-python built without -DGGML_RPC=ON "
                                 "(tools/install.sh builds it so)")
@@ -65,16 +65,20 @@ def test_greedy_output_over_one_and_two_servers_equals_all_local(tiny_target, se
                     (eps, split, p, m)
 
 
-def test_a_server_killed_mid_generation_is_a_clear_error_and_serve_stays_up(tiny_target):
+def test_a_server_killed_mid_generation_is_a_clear_error_and_serve_stays_up(tiny_dir):
+    long = make_tiny_gguf(tiny_dir / "long.gguf", blocks=4, seed=1, context_length=4096)  # room for a long answer
+    with LlamaModel(long, LoadParams(n_ctx=64)) as m:
+        eos = m.eos
     proc, endpoint = rpc_server()
     try:
-        srv, base = start(["--target", tiny_target, "--rpc", endpoint, "--mode", "ar", "--exact", "--no-flash-attn",
-                           "--kv-type", "f32", "--ctx", "2048", "--parallel", "1"])
+        srv, base = start(["--target", long, "--rpc", endpoint, "--mode", "ar", "--exact", "--no-flash-attn",
+                           "--kv-type", "f32", "--ctx", "4096", "--parallel", "1"])
     except Exception:
         proc.kill()
         raise
     try:
-        body = {"model": "target", "prompt": "Count:", "max_tokens": 3000, "stream": True, "temperature": 0}
+        body = {"model": "via-edge", "prompt": "Count:", "max_tokens": 4000, "stream": True, "temperature": 0,
+                "logit_bias": {str(eos): -100}}  # no early end: the answer runs until the server is killed
         t0 = None
         with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
@@ -85,7 +89,7 @@ def test_a_server_killed_mid_generation_is_a_clear_error_and_serve_stays_up(tiny
                     t0 = time.time()
                     break
             rest = [line for line in lines if line.startswith("data: ")]
-        assert time.time() - t0 < 30
+        assert t0 is not None and time.time() - t0 < 30
         assert any('"error"' in line and "RPC server" in line for line in rest), rest[-3:]
         health = httpx.get(base + "/health", timeout=10)
         assert srv.poll() is None and health.status_code == 503 and "RPC" in health.json()["rpc"]
@@ -132,3 +136,13 @@ def test_a_protocol_mismatch_is_named(tiny_target):
         out = cli("generate", "--target", str(tiny_target), "--rpc", endpoint, "--raw", "hi")
         old.shutdown()
     assert out.returncode == 2 and "protocol 6.0.0" in out.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_rpc_serve_stops_cleanly(sig):
+    proc, endpoint = rpc_server()
+    proc.send_signal(sig)
+    assert proc.wait(10) == 0
+    assert "stopped" in proc.stderr.read()
+    with pytest.raises(RemoteDeviceError, match="no RPC server answers"):
+        rpc.hello(endpoint, timeout=2)

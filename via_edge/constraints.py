@@ -213,6 +213,19 @@ class ConstrainedRows:
         except ValueError:
             self._dead = True
 
+    def _live(self, i: int) -> GrammarState:
+        state = self._state_at(i)
+        if state is None:
+            raise RuntimeError("asked for a row past a token the grammar forbids")
+        return state
+
+    def _masked(self, state: GrammarState, i: int) -> np.ndarray:
+        """Row i with every token the grammar forbids at -inf: a pass over the whole vocabulary."""
+        masked = state.mask(self._rows.logits[i])
+        if not np.isfinite(masked).any():
+            raise InvalidParameterError("the grammar allows no token here (it can neither go on nor end)")
+        return masked
+
     def allowed(self, i: int, token: int) -> bool:
         state = self._state_at(i)
         return state is not None and bool(state.allowed(np.array([token], dtype=np.int32))[0])
@@ -220,20 +233,15 @@ class ConstrainedRows:
     def argmax(self, i: int) -> int:
         row = self._rows.logits[i]
         best = int(row.argmax())
-        state = self._state_at(i)
-        if state is None:
-            raise RuntimeError("asked for a row past a token the grammar forbids")
-        if state.allowed(np.array([best], dtype=np.int32))[0]:
+        if self.allowed(i, best):
             return best
+        state = self._live(i)
         top = np.argpartition(row, row.size - SHORTLIST)[row.size - SHORTLIST:]
         top = top[np.argsort(-row[top], kind="stable")].astype(np.int32)
         ok = state.allowed(top)
         if ok.any():
             return int(top[int(ok.argmax())])
-        masked = state.mask(row)
-        if not np.isfinite(masked).any():
-            raise InvalidParameterError("the grammar allows no token here (it can neither go on nor end)")
-        return int(masked.argmax())
+        return int(self._masked(state, i).argmax())
 
     def ratio(self, i: int, token: int) -> float:
         """p(token) / max p over the allowed tokens (0 if the grammar forbids it): routing compares
@@ -247,21 +255,16 @@ class ConstrainedRows:
         return self._rows.top_prob(i)
 
     def logprobs(self, i: int, token: int, n: int):
-        return self._rows.logprobs(i, token, n)  # the model's own, as OpenAI reports them
+        return self._rows.logprobs(i, token, n)  # before the grammar, as OpenAI reports them
 
     def dist(self, i: int, sp: SamplingParams) -> Dist:
         """The filters' candidates the grammar allows, renormalised; when the filters kept none of
         them (or kept the whole vocabulary), the grammar first and the filters on what it allows."""
-        state = self._state_at(i)
-        if state is None:
-            raise RuntimeError("asked for a row past a token the grammar forbids")
+        state = self._live(i)
         d = self._rows.dist(i, sp)
         if d.ids is not None:
             ok = state.allowed(d.ids.astype(np.int32))
             if ok.any():
                 p = d.p[ok]
                 return Dist(p / np.float32(p.sum(dtype=np.float64)), d.ids[ok])
-        masked = state.mask(self._rows.logits[i])
-        if not np.isfinite(masked).any():
-            raise InvalidParameterError("the grammar allows no token here (it can neither go on nor end)")
-        return dist(masked, sp)
+        return dist(self._masked(state, i), sp)

@@ -47,7 +47,7 @@ def usage(result: Result) -> dict:
 # other value is refused by name rather than silently ignored
 NEUTRAL = dict(suffix=None, echo=False, typical_p=1.0, tfs_z=1.0, mirostat_mode=0, mirostat_tau=5.0,
                mirostat_eta=0.1, stopping_criteria=None, logits_processor=None, tools=None, tool_choice=None,
-               functions=None, function_call=None, n=1, best_of=1)
+               functions=None, function_call=None, n=1, best_of=1, prediction=None)
 # what Engine.stream takes under the same name
 PASSED = (*SAMPLING_NAMES, "max_tokens", "mode", "spec", "should_stop", "arrived", "logit_bias", "presence_penalty",
           "frequency_penalty", "repeat_penalty")

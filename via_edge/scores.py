@@ -80,8 +80,8 @@ TokenLogprobs = tuple[int, float, list[tuple[int, float]]]  # token, log p(token
 
 
 def token_logprobs(row: np.ndarray, token: int, n: int) -> TokenLogprobs:
-    """The model's own log-probabilities (softmax of the raw logits, before any sampling filter
-    or grammar, as OpenAI reports them) of `token` and of the row's `n` likeliest tokens."""
+    """Log-probabilities of `token` and of the row's `n` likeliest tokens: the softmax of the row
+    (after logit_bias and penalties, before sampling filters and grammar, as OpenAI reports them)."""
     x = np.asarray(row, dtype=np.float32)
     top = x.max()
     lse = float(top) + float(np.log(np.exp(x - top).sum(dtype=np.float64)))

@@ -134,7 +134,7 @@ def serve(
 def info() -> None:
     """This machine and the llama.cpp build in use: flavor, features, CPU, where models and tuned
     choices live. Tuned choices are kept per machine and build: one made on another is not used."""
-    from ..llama import default_threads
+    from ..llama import default_threads, rpc
     from ..machine import build, cpu_name, has_amx, machine_key, versions
     from ..tuned import tuned_dir
 
@@ -142,6 +142,8 @@ def info() -> None:
     typer.echo(f"via-edge {v['via_edge']}, llama-cpp-python {v['llama-cpp-python']}")
     typer.echo(f"llama.cpp build: {b['flavor']} ({b['source']}; AMX self-check: {b['self_check']})")
     typer.echo(f"features: {' '.join(b['features'])}")
+    typer.echo("RPC backend: " + ("yes (`via-edge rpc-serve`, --rpc HOST:PORT)" if rpc.available() else
+                                  "no (reinstall with tools/install.sh to get it)"))
     typer.echo(f"cpu: {cpu_name()}, {default_threads()} threads available; AMX in the CPU: "
                f"{'yes' if has_amx() else 'no'}")
     typer.echo(f"machine key: {machine_key()}  (CPU, cores and build: what tuned choices are kept under)")

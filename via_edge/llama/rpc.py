@@ -27,15 +27,14 @@ CAPS = 24               # RPC_CONN_CAPS_SIZE: the hello request; the answer is v
 
 
 @lru_cache(maxsize=1)
-def _libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
-    """libggml-rpc and libggml-base of the installed llama-cpp-python (RPC builds only)."""
+def _libs() -> tuple[ctypes.CDLL, ctypes.CDLL, ctypes.CDLL]:
+    """libggml-rpc, libggml-base and libggml (the device registry) of the installed llama-cpp-python."""
     folder = Path(lib().__file__).parent / "lib"
-    rpc = sorted(folder.glob("libggml-rpc.*"))
-    base = sorted(folder.glob("libggml-base.*"))
-    if not rpc or not base:
+    found = [_loaded(folder, name) for name in ("libggml-rpc", "libggml-base", "libggml")]
+    if not all(found):
         raise RemoteDeviceError("this llama-cpp-python was built without ggml's RPC backend; reinstall with "
                                 "tools/install.sh (it builds with -DGGML_RPC=ON)")
-    r, b = ctypes.CDLL(str(rpc[0])), ctypes.CDLL(str(base[0]))
+    r, b, g = (ctypes.CDLL(str(path)) for path in found)
     r.ggml_backend_rpc_start_server.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
                                                 ctypes.POINTER(ctypes.c_void_p)]
     r.ggml_backend_rpc_start_server.restype = None
@@ -45,12 +44,28 @@ def _libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     b.ggml_backend_reg_dev_count.restype = ctypes.c_size_t
     b.ggml_backend_reg_dev_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     b.ggml_backend_reg_dev_get.restype = ctypes.c_void_p
-    b.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
-    b.ggml_backend_dev_by_type.restype = ctypes.c_void_p
     b.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
                                           ctypes.POINTER(ctypes.c_size_t)]
     b.ggml_backend_dev_memory.restype = None
-    return r, b
+    g.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    g.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    return r, b, g
+
+
+def _loaded(folder: Path, name: str) -> Path | None:
+    """The file of `name` the process already uses. Wheels store each library three times (the
+    symlinks become copies), and opening another copy would load a second ggml with globals of
+    its own (an abort callback set there would never be called)."""
+    maps = Path("/proc/self/maps")
+    if maps.exists():
+        for line in maps.read_text().splitlines():
+            path = Path(line.split(maxsplit=5)[-1]) if line.count(" ") >= 5 else None
+            if path is not None and path.parent == folder and path.name.split(".")[0] == name:
+                return path
+    for candidate in (f"{name}.so.0", f"{name}.0.dylib", f"{name}.dylib", f"{name}.so"):
+        if (folder / candidate).exists():
+            return folder / candidate
+    return None
 
 
 def available() -> bool:
@@ -101,7 +116,7 @@ def hello(endpoint: str, timeout: float = 5.0) -> tuple[int, int, int]:
 
 def devices(endpoints: list[str]) -> list[int]:
     """ggml device handles of the servers at `endpoints` (each checked first)."""
-    r, b = _libs()
+    r, b, _ = _libs()
     backend_init()
     out = []
     for endpoint in endpoints:
@@ -114,11 +129,11 @@ def devices(endpoints: list[str]) -> list[int]:
 
 
 def cpu_device() -> int:
-    return _libs()[1].ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
+    return _libs()[2].ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
 
 
 def free_memory(device: int) -> int:
-    _, b = _libs()
+    b = _libs()[1]
     free, total = ctypes.c_size_t(), ctypes.c_size_t()
     b.ggml_backend_dev_memory(device, ctypes.byref(free), ctypes.byref(total))
     return free.value
@@ -126,7 +141,7 @@ def free_memory(device: int) -> int:
 
 def serve(host: str, port: int, threads: int, cache_dir: str | None) -> None:
     """ggml's RPC server for this machine's CPU; returns only if it cannot start (it says why on stderr)."""
-    r, b = _libs()
+    r = _libs()[0]
     backend_init()
     devs = (ctypes.c_void_p * 1)(cpu_device())
     endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -148,14 +163,14 @@ def catch_aborts() -> None:
     global _abort_callback
     if _abort_callback is not None:
         return
-    _, b = _libs()
+    b = _libs()[1]
     kind = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
 
     def on_abort(message: bytes) -> None:
-        text = (message or b"").decode("utf-8", "replace").strip()
+        text = (message or b"").decode("utf-8", "replace").strip().split(": ", 1)[-1]  # without ggml's file:line
         _failures.append(text)
         sys.stderr.write(f"via-edge: an RPC device failed: {text}\n")
-        abandon_compute(RemoteDeviceError(f"an RPC server stopped answering mid-decode ({text.split(': ', 1)[-1]})"))
+        abandon_compute(RemoteDeviceError(f"an RPC server stopped answering mid-decode ({text})"))
         threading.Event().wait()
 
     _abort_callback = kind(on_abort)
