@@ -117,6 +117,9 @@ def test_nothing_listening_is_one_line_and_exit_2(tiny_target):
     assert out.returncode == 2 and "no RPC server answers" in out.stderr and "Traceback" not in out.stderr
     bad = cli("generate", "--target", str(tiny_target), "--rpc", "nohost", "--raw", "hi")
     assert bad.returncode == 2 and "HOST:PORT" in bad.stderr
+    bench = cli("bench", "--pair", "smollm2", "--modes", "ar", "--no-peers", "--categories", "coding", "-n", "2",
+                "--rpc", f"127.0.0.1:{free_port()}")
+    assert bench.returncode == 2 and "no RPC server answers" in bench.stderr  # bench hands --rpc to the loader
 
 
 class _OldServer(socketserver.BaseRequestHandler):

@@ -47,13 +47,13 @@ def grammar_text(grammar: str | None = None, response_format: Mapping[str, Any] 
         return None
     if kind == "json_object":
         schema = response_format.get("schema")
-        return _from_schema(schema) if schema is not None else _json_object()
+        return schema_grammar(schema) if schema is not None else _json_object()
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, Mapping) or not isinstance(spec.get("schema", {}), Mapping):
             raise InvalidParameterError("'response_format.json_schema' must be an object with a 'schema' object",
                                         "response_format")
-        return _from_schema(spec.get("schema", {}))
+        return schema_grammar(spec.get("schema", {}))
     raise InvalidParameterError(f"'response_format.type' must be text, json_object or json_schema, got {kind!r}",
                                 "response_format")
 
@@ -64,16 +64,16 @@ def _json_object() -> str:
     return JSON_GBNF
 
 
-def _from_schema(schema: Any) -> str:
+def schema_grammar(schema: Any, param: str = "response_format", prop_order: Sequence[str] = ()) -> str:
+    """GBNF for JSON matching `schema` (llama-cpp-python's converter; `param` names the request field)."""
     from llama_cpp.llama_grammar import json_schema_to_gbnf
 
     if not isinstance(schema, Mapping):
-        raise InvalidParameterError("a JSON schema must be an object", "response_format")
+        raise InvalidParameterError("a JSON schema must be an object", param)
     try:
-        return json_schema_to_gbnf(json.dumps(schema))
+        return json_schema_to_gbnf(json.dumps(schema), prop_order=list(prop_order))
     except Exception as exc:  # the converter raises bare exceptions for what it does not support
-        raise InvalidParameterError(f"the JSON schema cannot be turned into a grammar: {exc}",
-                                    "response_format") from None
+        raise InvalidParameterError(f"the JSON schema cannot be turned into a grammar: {exc}", param) from None
 
 
 @dataclass(frozen=True)

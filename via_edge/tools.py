@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
+from .constraints import schema_grammar
 from .errors import InvalidParameterError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -63,22 +64,16 @@ class Tools:
         return [] if self.choice == "none" else [{"type": "function", "function": dict(f)} for f in self.functions]
 
     def grammar(self) -> str | None:
-        """GBNF for one or more calls, each of an offered function with arguments matching its
+        """GBNF for one call of an offered function (the named one) with arguments matching its
         schema; None where the model may answer in prose (auto, none)."""
         if self.choice not in ("required", "named"):
             return None
-        from llama_cpp.llama_grammar import json_schema_to_gbnf
-
         funcs = [f for f in self.functions if self.choice == "required" or f["name"] == self.named]
         calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
                                                    "arguments": f.get("parameters") or {"type": "object"}},
                   "required": ["name", "arguments"], "additionalProperties": False} for f in funcs]
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        try:
-            body = json_schema_to_gbnf(json.dumps(schema), prop_order=["name", "arguments"])
-        except Exception as exc:  # the converter raises bare exceptions for what it does not support
-            raise InvalidParameterError(f"a tool's parameters cannot be turned into a grammar: {exc}",
-                                        "tools") from None
+        body = schema_grammar(schema, "tools", prop_order=("name", "arguments"))
         body = re.sub(r"^root ::=", "call ::=", body, count=1, flags=re.M)
         return body + f'\nroot ::= {json.dumps(OPEN + chr(10))} call {json.dumps(chr(10) + CLOSE)}\n'
 
