@@ -143,8 +143,7 @@ def test_cancel_frees_the_slot_and_a_full_queue_gets_503(smollm2):
     """Two slots, a queue of one: two endless streams hold the slots, a third request queues, a
     fourth gets an OpenAI-shaped 503 at once. Hanging up one stream frees its slot for the queued
     request, while the other stream keeps going; then the server serves as before."""
-    proc, base = start(["--target", smollm2, "--mode", "ar", "--parallel", "2", "--max-queue", "1"])
-    try:
+    with serving(["--target", smollm2, "--mode", "ar", "--parallel", "2", "--max-queue", "1"]) as base:
         with httpx.Client(timeout=120) as http, contextlib.ExitStack() as stack:
             a = stack.enter_context(http.stream("POST", base + "/v1/completions", json=ENDLESS))
             b = stack.enter_context(http.stream("POST", base + "/v1/completions", json=ENDLESS))
@@ -169,9 +168,6 @@ def test_cancel_frees_the_slot_and_a_full_queue_gets_503(smollm2):
         assert health["cancelled"] >= 1
         ok = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
         assert ok.status_code == 200
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def test_bad_requests_are_clean_4xx(client, server):
@@ -200,8 +196,7 @@ def test_bad_requests_are_clean_4xx(client, server):
 
 
 def test_closing_the_connection_cancels(smollm2):
-    proc, base = start(["--target", smollm2, "--mode", "ar", "--ctx", "4096"])
-    try:
+    with serving(["--target", smollm2, "--mode", "ar", "--ctx", "4096"]) as base:
         body = {"model": "via-edge", **ENDLESS}
         with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
             for _ in r.iter_lines():
@@ -212,9 +207,6 @@ def test_closing_the_connection_cancels(smollm2):
             time.sleep(0.1)
         r = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
         assert r.status_code == 200
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 @pytest.mark.parametrize("body,field", [
@@ -284,8 +276,7 @@ def test_a_burst_fills_the_slots_and_exactly_max_queue_more(smollm2):
     """One slot, --max-queue 2, five streams opened at once: one generates, two queue, two get
     503 saying 2 are queued (requests admitted together once all counted as queued, or as
     running before they ran). Streams that hang up while queued leave the count."""
-    proc, base = start(["--target", smollm2, "--mode", "ar", "--parallel", "1", "--max-queue", "2"])
-    try:
+    with serving(["--target", smollm2, "--mode", "ar", "--parallel", "1", "--max-queue", "2"]) as base:
         with httpx.Client(timeout=120, limits=httpx.Limits(max_connections=10)) as http, \
                 contextlib.ExitStack() as stack:
             together = threading.Barrier(5)
@@ -311,9 +302,6 @@ def test_a_burst_fills_the_slots_and_exactly_max_queue_more(smollm2):
                 time.sleep(0.1)
         ok = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
         assert ok.status_code == 200
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def test_a_lone_surrogate_is_an_openai_400(server):
