@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from conftest import EXACT, make_tiny_gguf
-from test_server import free_port, start
+from test_server import free_port, launch, start
 from via_edge import Engine, SpecParams
 from via_edge.errors import RemoteDeviceError
 from via_edge.llama import LlamaModel, LoadParams, rpc
@@ -26,21 +26,17 @@ PROMPTS = ["hello world", "the cat is here", "some more words in here"]
 
 
 def rpc_server(threads: int = 1) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "via_edge", "rpc-serve", "--port", str(port), "--threads",
-                             str(threads)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    endpoint = f"127.0.0.1:{port}"
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stderr.read())
+    endpoint = f"127.0.0.1:{free_port()}"
+
+    def answers() -> bool:
         try:
             rpc.hello(endpoint, timeout=2)
-            return proc, endpoint
+            return True
         except RemoteDeviceError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("rpc-serve did not start")
+            return False
+
+    port = endpoint.rsplit(":", 1)[1]
+    return launch(["rpc-serve", "--port", port, "--threads", threads], answers, "rpc-serve", 30), endpoint
 
 
 @pytest.fixture(scope="module")

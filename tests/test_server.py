@@ -29,22 +29,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(args) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "via_edge", "serve", "--port", str(port), *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
+def launch(args, ready, what: str, timeout: float = 60) -> subprocess.Popen:
+    """`python -m via_edge ARGS` in a process of its own, once `ready()` is true (a crash at start
+    raises with its stderr)."""
+    proc = subprocess.Popen([sys.executable, "-m", "via_edge", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(proc.stderr.read())
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.2)
+        if ready():
+            return proc
+        time.sleep(0.2)
     proc.kill()
-    raise RuntimeError("server did not start")
+    raise RuntimeError(f"{what} did not start")
+
+
+def start(args) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(base + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    return launch(["serve", "--port", port, *args], healthy, "the server"), base
 
 
 @contextlib.contextmanager
