@@ -125,6 +125,36 @@ def test_a_stream_closed_early_frees_its_slot(tiny_target):
         assert len(engine.generate_batch(PROMPTS[:2], max_tokens=5, chat_template=False)) == 2
 
 
+def test_a_prompt_beside_running_generations_gives_the_solo_answers(solo, par):
+    """A long prompt arriving with short ones is prefilled in the decodes that carry their next
+    tokens: every answer is still the one its prompt gets alone, and the decodes were shared."""
+    prompts = PROMPTS[:3] + [[3 + (7 * i) % 200 for i in range(45)]]
+    alone = [solo.generate(p, mode="ar", max_tokens=12, chat_template=False).tokens for p in prompts]
+    par.reset()
+    steps = par._scheduler.steps
+    got = par.generate_batch(prompts, mode="ar", max_tokens=12, chat_template=False)
+    assert [r.tokens for r in got] == alone
+    assert par._scheduler.steps - steps < sum(r.stats.target.calls for r in got)
+
+
+def test_copy_drafts_in_a_shared_step_are_sized_for_the_other_slots_tokens(par, monkeypatch):
+    """lookup with slots: the copy policy hears how many tokens the other generations put into
+    the step (alone it would size drafts as if the decode were its own)."""
+    from via_edge.drafters import CopyPolicy
+    heard: list[int] = []
+    length = CopyPolicy.length
+
+    def spy(self, run, k_max, others=0):
+        heard.append(others)
+        return length(self, run, k_max, others)
+
+    monkeypatch.setattr(CopyPolicy, "length", spy)
+    looping = [[5, 6, 7, 8, 9] * 6 for _ in range(4)]  # prompts a copy can continue
+    par.reset()
+    par.generate_batch(looping, mode="lookup", max_tokens=12, chat_template=False)
+    assert heard and max(heard) >= 1
+
+
 def test_a_batched_sequence_checks_its_context_and_a_closed_scheduler_refuses(tiny_target):
     with LlamaModel(tiny_target, LoadParams(n_ctx=2 * 256, n_seq=2, **{k: EXACT[k] for k in
                                                                        ("kv_type", "flash_attn",

@@ -103,6 +103,20 @@ def test_policy_drafts_long_on_reliable_copies_and_abstains_on_costly_short_ones
     assert mid.length(run=40, k_max=5) == 5              # never past the cap
 
 
+def test_beside_other_slots_a_draft_fills_the_tile_the_step_pays_for_and_no_more():
+    """A tile-priced target (one token 1 step, 2..16 rows 2 steps, 17..32 rows 4): alone a fair
+    copy drafts up to a full tile; beside 7 other slots' tokens only the 8 rows their step already
+    pays for; beside 15 (a full tile) nothing, though the same copy pays alone."""
+    def tiles(n: int) -> float:
+        return 1.0 if n == 1 else 2.0 * -(-n // 16)
+    policy = CopyPolicy(tiles)
+    for _ in range(20):
+        policy.observe(run=8, drafted=8, accepted=6)  # a copy that holds about 3 tokens in 4
+    assert policy.length(run=8, k_max=32) == 15
+    assert policy.length(run=8, k_max=32, others=7) == 8
+    assert policy.length(run=8, k_max=32, others=15) == 0
+
+
 def test_policy_learns_from_rejections():
     policy = CopyPolicy(lambda n: 1.0 + 0.25 * (n - 1))
     before = policy.length(run=8, k_max=32)

@@ -19,6 +19,7 @@ every mode batches, drafts and slim checks included.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from typing import Sequence
@@ -68,6 +69,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._closed = False
         self.steps = 0        # decode_batch calls made (for the tests and the load benchmark)
+        self._typical: dict[LlamaModel, float] = {}  # per model: median tokens per call in its last step
 
     def enter(self) -> None:
         with self._cv:
@@ -77,6 +79,12 @@ class Scheduler:
         with self._cv:
             self._active -= 1
             self._cv.notify_all()  # the others may now all be waiting
+
+    def others(self, model: LlamaModel) -> int:
+        """Tokens the other active generations are likely to put into `model`'s next decode (a
+        drafter sizing its draft for a shared step needs them): the last step's median per call
+        (a prompt chunk in it is an exception, not the rule) for each of them."""
+        return round(max(0, self._active - 1) * self._typical.get(model, 1.0))
 
     def close(self) -> None:
         with self._cv:
@@ -159,6 +167,7 @@ class Scheduler:
                 call.error, call.finished = exc, True
             return
         self.steps += 1
+        self._typical[model] = statistics.median(len(p[1]) for p in parts)
         for call, (_, chunk, _), out in zip(taken, parts, rows):
             call.done_tokens += len(chunk)
             if len(out):

@@ -153,6 +153,13 @@ class CopyPolicy:
     has matched so far); a draft of k tokens commits 1 + sum_i prod_{j<=i} p(run + j) tokens for
     one verification of k + 1 tokens, which costs `batch_cost(k + 1)` single steps (the target's
     measured cost profile). A draft must beat a plain step by `margin`.
+
+    With server slots the verification shares its decode with `others` tokens of the other
+    generations, so what counts is the step's yield: (others + expected) / batch_cost(others +
+    k + 1) against (others + 1) / batch_cost(others + 1). On AMX Q4_0 verifying a draft of 15
+    alone costs 2.9 single steps (16 rows), while beside 7 other slots' next tokens a draft of 8
+    fills the same 16 rows for 1.2x the step it joins (101.4 against 84.4 ms, docs/benchmarks.md
+    section 19); sized as if alone, the slots' drafts made every shared step dearer (section 26).
     """
 
     def __init__(self, batch_cost: Callable[[int], float], margin: float = 0.05) -> None:
@@ -171,14 +178,16 @@ class CopyPolicy:
             c = self._costs[n] = max(float(self.batch_cost(n)), 1e-9) / max(float(self.batch_cost(1)), 1e-9)
         return c
 
-    def length(self, run: int, k_max: int) -> int:
-        """The draft length for a copy that has matched `run` tokens (0: do not draft)."""
-        best_k, best = 0, 1.0 + self.margin
+    def length(self, run: int, k_max: int, others: int = 0) -> int:
+        """The draft length for a copy that has matched `run` tokens (0: do not draft), in a decode
+        that also carries `others` tokens of other sequences."""
+        plain = (others + 1) / self.cost(others + 1)
+        best_k, best = 0, plain * (1.0 + self.margin)
         expected, survive = 1.0, 1.0
         for k in range(1, k_max + 1):
             survive *= self.p_accept(run + k - 1)
             expected += survive
-            gain = expected / self.cost(k + 1)
+            gain = (others + expected) / self.cost(others + k + 1)
             if gain > best:
                 best_k, best = k, gain
         return best_k
@@ -209,8 +218,9 @@ class CopyDrafter:
 
     origin = COPY
 
-    def __init__(self, policy: CopyPolicy) -> None:
+    def __init__(self, policy: CopyPolicy, others: Callable[[], int] | None = None) -> None:
         self.policy = policy
+        self.others = others  # tokens the other slots put into the target's next decode, if shared
         self.index = NgramIndex()
         self.src: int | None = None  # the source position the next token is expected to copy
         self.run = 0                 # tokens the current alignment has matched
@@ -252,7 +262,8 @@ class CopyDrafter:
         if self.src is None:
             return draft
         toks = self.index.tokens
-        k = self.policy.length(self.run, min(k, spec.copy_max, len(toks) - self.src))
+        k = self.policy.length(self.run, min(k, spec.copy_max, len(toks) - self.src),
+                               self.others() if self.others is not None else 0)
         if constraint is not None:  # the copy up to where the grammar would refuse it
             k = constraint.allowed_prefix(context, toks[self.src:self.src + k])
         if k == 0:

@@ -338,9 +338,13 @@ class Engine:
     def _drafter(self, slot: _Slot, mode: str) -> Drafter | None:
         kind = mode_info(mode).drafter
         if kind is not None and kind not in slot.drafters:
-            slot.drafters[kind] = (CopyDrafter(CopyPolicy(self.models.batch_cost)) if kind == "lookup"
-                                   else ModelDrafter(self._scorer(slot, "draft")))
+            slot.drafters[kind] = (CopyDrafter(CopyPolicy(self.models.batch_cost), others=self._others)
+                                   if kind == "lookup" else ModelDrafter(self._scorer(slot, "draft")))
         return slot.drafters.get(kind) if kind else None
+
+    def _others(self) -> int:
+        """Tokens the other slots add to the target's next decode (none without slots)."""
+        return self._scheduler.others(self.models.target) if self._scheduler is not None else 0
 
     def _scorer(self, slot: _Slot, role: str) -> ScoredModel | None:
         """The decoding loop's view of a slot's sequence of a loaded model (kept, so its EOG

@@ -52,6 +52,17 @@ def to_prompt(row: dict, i: int, suite: str = "") -> Prompt:
                   tuple(turns) if row.get("multi_turn") else ())
 
 
+def prompts_in_turn(suite: str, categories: list[str] | None, n: int) -> list[Prompt]:
+    """`n` prompts, the categories in turn (the first of each, then the second...), repeated when
+    the suite has fewer: the load benchmark's requests."""
+    pool = load_prompts(suite, categories, max(1, -(-n // len(categories or [0] * 13))))
+    by_cat: dict[str, list[Prompt]] = {}
+    for p in pool:
+        by_cat.setdefault(p.category, []).append(p)
+    prompts = [q for group in zip(*by_cat.values()) for q in group][:n]
+    return prompts if len(prompts) == n else (pool * n)[:n]
+
+
 def load_prompts(suite: str, categories: list[str] | None, per_category: int) -> list[Prompt]:
     """A fixed subset: the first `per_category` prompts of each category in file order.
 

@@ -36,7 +36,7 @@ def _bench_serve(pair: str | None, suite: str, categories: str | None, max_token
                  threads: int | None, clients: str, parallel: str, requests: int, repeats: int,
                  mode: str | None) -> None:
     from ..bench import load as L
-    from ..bench.suite import load_prompts
+    from ..bench.suite import prompts_in_turn
 
     counts = _counts("clients", clients, 1, 256)
     slots = _counts("parallel", parallel, 1, MAX_SEQ)
@@ -45,13 +45,7 @@ def _bench_serve(pair: str | None, suite: str, categories: str | None, max_token
     if mode is not None and mode not in MODE_NAMES:
         raise ViaEdgeError(f"--modes for --serve takes one mode ({', '.join(MODE_NAMES)}), got {mode!r}")
     cats = [c.strip() for c in categories.split(",")] if categories else None
-    pool = load_prompts(suite, cats, max(1, -(-requests // len(cats or [0] * 13))))
-    by_cat: dict[str, list] = {}
-    for p in pool:
-        by_cat.setdefault(p.category, []).append(p)
-    prompts = [q for group in zip(*by_cat.values()) for q in group][:requests]  # categories in turn
-    if len(prompts) < requests:
-        prompts = (pool * requests)[:requests]
+    prompts = prompts_in_turn(suite, cats, requests)
     args = (["--pair", pair] if pair else []) + (["--threads", str(threads)] if threads else []) \
         + (["--mode", mode] if mode else [])
     cfg = L.LoadConfig(prompts, counts, slots, max_tokens=max_tokens, repeats=repeats, server_args=args,
