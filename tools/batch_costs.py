@@ -40,15 +40,22 @@ def _one(seq, n: int = 1, token: int = 7) -> tuple:
     return seq, [token] * n, [n - 1]
 
 
+def _several(m: LlamaModel) -> list:
+    """The model's sequences, for cases that need more than one (a one-sequence layout skips them)."""
+    if len(m.seqs) < 2:
+        raise IndexError("one sequence")
+    return m.seqs
+
+
 def layouts(args: argparse.Namespace) -> tuple[dict[str, LoadParams], dict[str, Case]]:
     n, ctx = args.slots, args.ctx
     loads = {"n_seq=1": LoadParams(n_ctx=ctx),
              "unified": LoadParams(n_ctx=ctx * n, n_seq=n, kv_unified=True),
              "per-seq": LoadParams(n_ctx=ctx * n, n_seq=n, kv_unified=False)}
     cases = {"1 seq x 1": lambda m: [[_one(m.seqs[0])]],
-             "all x 1": lambda m: [[_one(s) for s in m.seqs]],
+             "all x 1": lambda m: [[_one(s) for s in _several(m)]],
              "ids 0,2 x 1": lambda m: [[_one(m.seqs[0]), _one(m.seqs[2])]],
-             "mixed 5+1s": lambda m: [[_one(m.seqs[0], 5)] + [_one(s) for s in m.seqs[1:]]]}
+             "mixed 5+1s": lambda m: [[_one(m.seqs[0], 5)] + [_one(s) for s in _several(m)[1:]]]}
     return loads, cases
 
 
