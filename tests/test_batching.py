@@ -9,6 +9,7 @@ from conftest import EXACT
 from make_tiny_gguf import make_tiny_gguf
 from via_edge import Engine
 from via_edge.batching import BatchedSeq, Scheduler
+from via_edge.drafters import CopyPolicy
 from via_edge.errors import ContextOverflowError, InvalidParameterError
 from via_edge.llama import LlamaModel, LoadParams
 
@@ -126,8 +127,8 @@ def test_a_stream_closed_early_frees_its_slot(tiny_target):
 
 
 def test_a_prompt_beside_running_generations_gives_the_solo_answers(solo, par):
-    """A long prompt arriving with short ones is prefilled in the decodes that carry their next
-    tokens: every answer is still the one its prompt gets alone, and the decodes were shared."""
+    """A long prompt prefilled in the steps that carry short prompts and their next tokens:
+    every answer is still the one its prompt gets alone, and the decodes were shared."""
     prompts = PROMPTS[:3] + [[3 + (7 * i) % 200 for i in range(45)]]
     alone = [solo.generate(p, mode="ar", max_tokens=12, chat_template=False).tokens for p in prompts]
     par.reset()
@@ -140,7 +141,6 @@ def test_a_prompt_beside_running_generations_gives_the_solo_answers(solo, par):
 def test_copy_drafts_in_a_shared_step_are_sized_for_the_other_slots_tokens(par, monkeypatch):
     """lookup with slots: the copy policy hears how many tokens the other generations put into
     the step (alone it would size drafts as if the decode were its own)."""
-    from via_edge.drafters import CopyPolicy
     heard: list[int] = []
     length = CopyPolicy.length
 
