@@ -11,7 +11,7 @@ import pytest
 
 from conftest import interruptible
 from via_edge.bench.metrics import fidelity, geomean, spread
-from via_edge.bench.suite import load_prompts, packaged_rows
+from via_edge.bench.suite import load_prompts, packaged_rows, prompts_in_turn
 from via_edge.errors import InvalidParameterError
 
 
@@ -85,6 +85,15 @@ def test_user_prompt_files(tmp_path):
 def cli(*args):
     return subprocess.run([sys.executable, "-m", "via_edge", *map(str, args)], capture_output=True, text=True,
                           timeout=600)
+
+
+def test_load_requests_take_the_categories_in_turn_and_every_prompt_before_repeating():
+    spec = prompts_in_turn("spec-bench", None, 16)
+    cats = [p.category for p in load_prompts("spec-bench", None, 1)]
+    assert [p.category for p in spec[:13]] == cats and [p.category for p in spec[13:]] == cats[:3]
+    assert len({p.text for p in spec}) == 16
+    edit = prompts_in_turn("edit", None, 16)  # 12 edit prompts and one edit-chat: a short category
+    assert len({p.text for p in edit[:13]}) == 13 and edit[13:] == edit[:3]
 
 
 @pytest.mark.parametrize("args,match", [

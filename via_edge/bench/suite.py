@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from itertools import cycle, islice, zip_longest
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
@@ -53,14 +54,14 @@ def to_prompt(row: dict, i: int, suite: str = "") -> Prompt:
 
 
 def prompts_in_turn(suite: str, categories: list[str] | None, n: int) -> list[Prompt]:
-    """`n` prompts, the categories in turn (the first of each, then the second...), repeated when
-    the suite has fewer: the load benchmark's requests."""
-    pool = load_prompts(suite, categories, max(1, -(-n // len(categories or [0] * 13))))
+    """`n` prompts, the categories in turn (the first of each, then the second...; a category
+    that runs out drops from the turn), all of them before any repeats: the load benchmark's
+    requests."""
     by_cat: dict[str, list[Prompt]] = {}
-    for p in pool:
+    for p in load_prompts(suite, categories, n):
         by_cat.setdefault(p.category, []).append(p)
-    prompts = [q for group in zip(*by_cat.values()) for q in group][:n]
-    return prompts if len(prompts) == n else (pool * n)[:n]
+    in_turn = [q for group in zip_longest(*by_cat.values()) for q in group if q is not None]
+    return list(islice(cycle(in_turn), n))
 
 
 def load_prompts(suite: str, categories: list[str] | None, per_category: int) -> list[Prompt]:
