@@ -177,3 +177,28 @@ def test_what_is_not_done_is_a_400_naming_the_field(server, path, extra, field, 
     r = httpx.post(f"{server}/v1/{path}", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
+
+
+def test_a_server_request_is_checked_and_its_grammar_compiled_once(smollm2):
+    """The server builds the engine's Request before the request queues and its worker runs that
+    Request: one grammar compilation per request, streamed or not, and a grammar that does not
+    parse is refused before it takes a slot."""
+    from fastapi.testclient import TestClient
+
+    from via_edge import Engine
+    from via_edge.server.app import create_app
+
+    with Engine(smollm2, mode="ar", n_ctx=1024) as engine:
+        compile_grammar, compiled = engine.target.grammar, []
+        engine.target.grammar = lambda gbnf: compiled.append(gbnf) or compile_grammar(gbnf)
+        with TestClient(create_app(engine)) as http:
+            body = {"messages": ASK, "max_tokens": 8, "temperature": 0, "grammar": 'root ::= "yes" | "no"'}
+            r = http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] in ("yes", "no")
+            assert len(compiled) == 1
+            with http.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as r:
+                assert r.status_code == 200 and "data: [DONE]" in r.read().decode()
+            assert len(compiled) == 2
+            r = http.post("/v1/chat/completions", json=body | {"grammar": "root ::= [a-"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "grammar"
+            assert len(compiled) == 3 and http.get("/health").json()["served"] == 2  # it never reached a slot

@@ -52,13 +52,13 @@ def test_concurrent_answers_equal_solo_answers(solo, par, mode):
     """Every mode runs batched per slot (drafts and slim checks share decodes too) and gives each
     prompt exactly the tokens it gets alone; the decodes really were shared."""
     alone = [solo.generate(p, mode=mode, max_tokens=20, chat_template=False) for p in PROMPTS]
-    steps = par._scheduler.steps
+    steps = par.slots.scheduler.steps
     batch = par.generate_batch(PROMPTS, mode=mode, max_tokens=20, chat_template=False)
     assert [r.tokens for r in batch] == [r.tokens for r in alone]
     assert [r.origins for r in batch] == [r.origins for r in alone]
     assert [r.finish_reason for r in batch] == [r.finish_reason for r in alone]
     calls = sum(r.stats.target.calls + r.stats.draft.calls + r.stats.slim.calls for r in batch)
-    assert par._scheduler.steps - steps < 0.7 * calls  # several slots per decode, not one after another
+    assert par.slots.scheduler.steps - steps < 0.7 * calls  # several slots per decode, not one after another
     assert batch.generated_tokens == sum(len(r.tokens) for r in alone) and batch.tokens_per_second > 0
 
 
@@ -132,10 +132,10 @@ def test_a_prompt_beside_running_generations_gives_the_solo_answers(solo, par):
     prompts = PROMPTS[:3] + [[3 + (7 * i) % 200 for i in range(45)]]
     alone = [solo.generate(p, mode="ar", max_tokens=12, chat_template=False).tokens for p in prompts]
     par.reset()
-    steps = par._scheduler.steps
+    steps = par.slots.scheduler.steps
     got = par.generate_batch(prompts, mode="ar", max_tokens=12, chat_template=False)
     assert [r.tokens for r in got] == alone
-    assert par._scheduler.steps - steps < sum(r.stats.target.calls for r in got)
+    assert par.slots.scheduler.steps - steps < sum(r.stats.target.calls for r in got)
 
 
 def test_copy_drafts_in_a_shared_step_are_sized_for_the_other_slots_tokens(par, monkeypatch):

@@ -6,7 +6,8 @@ import pytest
 
 from conftest import EXACT
 from via_edge import Engine, SpecParams
-from via_edge.drafters import NGRAM_LIMIT, CopyDrafter, CopyPolicy, NgramIndex
+from via_edge.drafters import CopyDrafter, CopyPolicy, NgramIndex
+from via_edge.spec import NGRAM_LIMIT
 from via_edge.errors import InvalidParameterError
 from via_edge.sampling import SamplingParams
 
@@ -135,13 +136,17 @@ def test_drafter_feeds_the_policy_what_the_target_accepted():
     drafter = CopyDrafter(policy)
     ctx = SOURCE + [1] + SOURCE[:4]
     drafted = propose(drafter, ctx, k=6)
+    assert len(drafted) == 6
     before = [list(c) for c in policy.counts]
-    propose(drafter, ctx + drafted[:2] + [999])  # 2 accepted, then a correction
+    drafter.accept(2)  # the loop's word: 2 accepted, then a correction
     changed = [(i, [round(x - y, 6) for x, y in zip(a, b)]) for i, (a, b) in enumerate(zip(policy.counts, before))
                if a != b]
     accepted = sum(d[0] for _, d in changed)
     rejected = sum(d[1] for _, d in changed)
     assert (accepted, rejected) == (2, 1)
+    after = [list(c) for c in policy.counts]
+    drafter.accept(2)  # a draft is learned from once
+    assert policy.counts == after
 
 
 @pytest.mark.parametrize("kw", [dict(copy_max=0), dict(copy_max=65), dict(ngram_min=0),
@@ -204,3 +209,33 @@ def test_chat_colours_copied_tokens_and_counts_them(smollm2):
         assert COLOURS[COPY] in out.getvalue()
         assert chat.stats.copied_tokens > 0
         assert f"copied {chat.stats.copied_tokens} (" in chat.stats_text()
+
+
+def test_the_loop_tells_the_drafter_what_it_kept(tiny_target):
+    """`accept(n)` after each verified round, n the draft tokens the context kept: over a greedy
+    generation (lossless, so every committed copy token is an accepted draft token) the accepted
+    counts add up to the copied tokens, and rejected drafts are reported short."""
+    from via_edge.decoding import Decoder
+    from via_edge.scores import ScoredModel
+    from via_edge.stats import Stats
+
+    class Listening(CopyDrafter):
+        def propose(self, *args, **kw):
+            draft = super().propose(*args, **kw)
+            if draft.tokens:
+                proposed.append(len(draft.tokens))
+            return draft
+
+        def accept(self, n_accepted):
+            heard.append(n_accepted)
+            super().accept(n_accepted)
+
+    proposed, heard = [], []
+    with Engine(tiny_target, **EXACT) as engine:
+        prompt = engine.tokens_for(" the cat is here and the cat is" * 6, chat_template=False)
+        engine.target.reset()
+        decoder = Decoder(ScoredModel(engine.target), Listening(free_policy()), spec=SpecParams(copy_max=32))
+        out = list(decoder.generate(prompt, "lookup", GREEDY, 80, Stats()))
+    assert len(heard) == len(proposed) > 0
+    assert sum(heard) == sum(c.origin == "copy" for c in out)
+    assert all(0 <= n <= k for n, k in zip(heard, proposed)) and any(n < k for n, k in zip(heard, proposed))

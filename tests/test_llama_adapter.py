@@ -79,7 +79,7 @@ def test_logits_are_views_until_the_next_decode(model):
     """Rows are read-only views onto llama.cpp's buffer: no copy per row, and a view is overwritten
     by the model's next decode. The drafter reads each row before it decodes again, so its
     proposal equals one built from copies on a fresh model."""
-    from via_edge.decoding import SpecParams
+    from via_edge.spec import SpecParams
     from via_edge.drafters import ModelDrafter
     from via_edge.sampling import SamplingParams
     from via_edge.scores import ScoredModel

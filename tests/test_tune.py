@@ -481,7 +481,7 @@ def test_replay_machinery_reproduces_sampled_runs(recorded, mode):
     play = {r: Playback(r, rec[r], meter, prompt[:-1]) for r in roles}
     again = list(Decoder(play["target"], ModelDrafter(play["draft"]), play["slim"], spec).generate(
         prompt, mode, sp, 30, Stats()))
-    assert again == real and len({o for _, o, _ in real}) >= 2  # drafts were accepted and corrected
+    assert again == real and len({c.origin for c in real}) >= 2  # drafts were accepted and corrected
     for r, m in roles.items():
         used = m.usage.since(before[r])
         assert (meter.calls[r], meter.tokens[r]) == (used.calls, used.tokens), r

@@ -15,7 +15,7 @@ import statistics
 import time
 from importlib.resources import files
 
-from via_edge.decoding import SpecParams
+from via_edge.spec import SpecParams
 from via_edge.drafters import CopyDrafter, CopyPolicy
 from via_edge.sampling import SamplingParams
 

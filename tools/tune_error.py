@@ -30,7 +30,7 @@ from pathlib import Path
 from via_edge import Engine
 from via_edge import models as catalog
 from via_edge.bench.metrics import geomean
-from via_edge.decoding import SpecParams
+from via_edge.spec import SpecParams
 from via_edge.drafters import CopyDrafter, CopyPolicy
 from via_edge.tune.profile import CostProfile
 from via_edge.tune.record import calibration_prompts, record, slim_traces

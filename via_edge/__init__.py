@@ -1,7 +1,8 @@
 """via-edge: speculative decoding with intra-model routing (VIA-SD) for local LLMs on llama.cpp."""
 
-from .decoding import SpecParams
-from .engine import Engine, Piece, Result
+from .spec import SpecParams
+from .engine import Engine, Request
+from .results import Piece, Result, Stream
 from .errors import (
     CatalogError,
     ContextOverflowError,
@@ -18,7 +19,7 @@ from .version import VERSION as __version__
 
 __all__ = [
     "__version__",
-    "Engine", "Piece", "Result", "SpecParams", "SamplingParams", "Stats",
+    "Engine", "Request", "Stream", "Piece", "Result", "SpecParams", "SamplingParams", "Stats",
     "ViaEdgeError", "ModelFileError", "CatalogError", "DownloadError", "IncompatibleModelsError",
     "LayerSpecError", "InvalidParameterError", "ContextOverflowError",
 ]

@@ -18,80 +18,37 @@ follows the target's distribution exactly (Leviathan et al. 2023; Chen et al. 20
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
 from .constraints import Constraint
-from .drafters import NGRAM_LIMIT, Draft, Drafter
+from .drafters import Draft, Drafter
 from .errors import InvalidParameterError
 from .llama import common_prefix
 from .modes import DRAFT, SLIM, TARGET, Origin, Tier, mode_info
 from .sampling import Dist, SamplingParams
+from .spec import SpecParams
 from .scores import Rows, Scorer, TokenLogprobs
 from .stats import Stats
 
-ROUTES = ("slim", "draft", "both")
-Committed = tuple[int, Origin, Tier]
+
+
+class Committed(NamedTuple):
+    """One token as the loop commits it: who produced it, what decided it, and (when asked for)
+    the target's log-probability of it and of its likeliest alternatives."""
+
+    token: int
+    origin: Origin
+    tier: Tier
+    logprob: TokenLogprobs | None = None
+
+
 Resync = Callable[[int, int], "int | None"]  # (output index, token) -> the token the context continues with
 
 
-def _knob(default, help: str):
-    return field(default=default, metadata={"help": help})
-
-
-@dataclass(frozen=True)
-class SpecParams:
-    """Speculation knobs, validated once; defaults are sane for a 2-core CPU (see docs/design.md).
-
-    Each field's help text is the CLI's: the options of generate, chat, serve and bench are made
-    from these fields.
-    """
-
-    n_draft: int = _knob(6, "Draft-model tokens per round (llama.cpp --draft-max).")
-    tau_accept: float = _knob(0.9, "via: keep a draft token at or above this routing score.")
-    tau_full: float = _knob(0.3, "via: send to the target below this score (>1: always); hier: cut the block there.")
-    route: str = _knob("slim", "via: routing score from slim, draft or both.")
-    max_lag: int = _knob(32, "via: the target verifies at least every this many tokens (0: never forced).")
-    hier_block: int = _knob(12, "hier: tokens per target verification.")
-    p_min: float = _knob(0.0, "Stop drafting when the draft's top probability is below this.")
-    n_min: int = _knob(0, "Draft at least this many tokens before p_min applies.")
-    copy_max: int = _knob(32, "lookup: longest copied draft; each round drafts 0..this, chosen from the "
-                              "copy's record and the target's batch costs.")
-    ngram_min: int = _knob(1, "lookup: shortest repeat of the context's end that anchors a copy.")
-    ngram_max: int = _knob(12, f"lookup: longest repeat looked for (at most {NGRAM_LIMIT}).")
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.n_draft <= 64:
-            raise InvalidParameterError(f"n_draft must be in 1..64, got {self.n_draft}")
-        if not 0 <= self.tau_accept <= 1:
-            raise InvalidParameterError(f"tau_accept must be in [0, 1], got {self.tau_accept}")
-        if not 0 <= self.tau_full <= 2:
-            raise InvalidParameterError(f"tau_full must be in [0, 2] (above 1: every token to the target), "
-                                        f"got {self.tau_full}")
-        if self.tau_full > self.tau_accept and self.tau_full <= 1:
-            raise InvalidParameterError(f"tau_full ({self.tau_full}) must not exceed tau_accept "
-                                        f"({self.tau_accept})")
-        if self.route not in ROUTES:
-            raise InvalidParameterError(f"route must be one of {', '.join(ROUTES)}, got {self.route!r}")
-        if self.max_lag < 0:
-            raise InvalidParameterError(f"max_lag must be >= 0 (0 = unbounded), got {self.max_lag}")
-        if not 0 <= self.p_min <= 1:
-            raise InvalidParameterError(f"p_min must be in [0, 1], got {self.p_min}")
-        if self.n_min < 0:
-            raise InvalidParameterError(f"n_min must be >= 0, got {self.n_min}")
-        if not 1 <= self.copy_max <= 64:
-            raise InvalidParameterError(f"copy_max must be in 1..64, got {self.copy_max}")
-        if not 1 <= self.ngram_min <= self.ngram_max <= NGRAM_LIMIT:
-            raise InvalidParameterError(f"need 1 <= ngram_min <= ngram_max <= {NGRAM_LIMIT}, got "
-                                        f"ngram_min {self.ngram_min}, ngram_max {self.ngram_max}")
-        if not 2 <= self.hier_block <= 128:
-            raise InvalidParameterError(f"hier_block must be in 2..128, got {self.hier_block}")
-
-
 class Decoder:
-    """Holds the models of one engine and runs one generation at a time.
+    """One generation: the models it reads, its knobs, its grammar and logit rules.
 
     Models are `Scorer`s: llama.cpp models in the engine, recorded traces in the tuner's replay.
     """
@@ -101,15 +58,15 @@ class Decoder:
                  top_logprobs: int | None = None) -> None:
         self.target, self.drafter, self.slim, self.spec = target, drafter, slim, spec
         self.constraint = constraint  # a grammar every chosen token obeys (constraints.py)
-        # with `top_logprobs`, the target's log-probabilities of each committed token (and of its
-        # `top_logprobs` likeliest), by position in the context, read from its verifying rows
-        # (lossless modes only: see modes.check_logprobs)
+        # with `top_logprobs`, each committed token carries the target's log-probability of it and
+        # of its `top_logprobs` likeliest, read from the verifying rows (lossless modes only: see
+        # modes.check_logprobs)
         self.top_logprobs = top_logprobs
-        self.logprobs: dict[int, TokenLogprobs] = {}
+        self._proposed: list[int] | None = None  # the tokens put up for verification this round
 
     def generate(self, prompt: Sequence[int], mode: str, sp: SamplingParams, max_new: int, stats: Stats,
                  resync: Resync | None = None) -> Iterator[Committed]:
-        """Yield (token, origin, tier) until EOS, `max_new` tokens or a full context window.
+        """Yield each `Committed` token until EOS, `max_new` tokens or a full context window.
 
         The caller may stop early (stop strings); KV caches stay consistent either way because
         every model re-syncs to the committed context at its next call. `resync` (the replay's)
@@ -127,21 +84,27 @@ class Decoder:
         produced = 0
         if self.constraint is not None:
             self.constraint.start(len(ctx))
+        if self.drafter is not None:
+            self.drafter.begin(ctx)
         while produced < max_new and len(ctx) < self.target.n_ctx:
             budget = min(max_new - produced, self.target.n_ctx - len(ctx))
             stats.rounds += 1
-            for tok, origin, tier in rounds(ctx, sp, rng, stats, budget):
-                other = resync(produced, tok) if resync is not None else None
-                ctx.append(tok if other is None else other)
+            self._proposed = None
+            start = len(ctx)
+            for c in rounds(ctx, sp, rng, stats, budget):
+                other = resync(produced, c.token) if resync is not None else None
+                ctx.append(c.token if other is None else other)
                 if self.constraint is not None:
-                    self.constraint.commit(tok)
+                    self.constraint.commit(c.token)
                 produced += 1
-                stats.count(origin, tier)
-                yield tok, origin, tier
-                if self.target.is_eog(tok) or produced >= max_new:
+                stats.count(c.origin, c.tier)
+                yield c
+                if self.target.is_eog(c.token) or produced >= max_new:
                     return
                 if other is not None:
                     break
+            if self._proposed is not None:  # how much of its draft the context kept
+                self.drafter.accept(common_prefix(self._proposed, ctx[start:]))
 
     # ---- shared pieces --------------------------------------------------------------------------
     def _eval(self, model: Scorer, ctx: list[int], tokens: Sequence[int], n_rows: int) -> Rows:
@@ -159,15 +122,15 @@ class Decoder:
         if k <= 0:
             return Draft()
         draft = self.drafter.propose(ctx, k, sp, rng, self.spec, conf=conf, constraint=self.constraint)
+        if draft.tokens:
+            self._proposed = draft.tokens
         stats.draft_n += len(draft)
         stats.draft_rounds += bool(draft.tokens)
         return draft
 
-    def _record(self, rows: Rows, start: int, tokens: Sequence[int]) -> None:
-        """Log-probabilities of `tokens`, committed at positions start.., from the target's rows."""
-        if self.top_logprobs is not None:
-            for i, tok in enumerate(tokens):
-                self.logprobs[start + i] = rows.logprobs(i, tok, self.top_logprobs)
+    def _logprob(self, rows: Rows, i: int, token: int) -> TokenLogprobs | None:
+        """The target's log-probabilities at row i for `token`, when asked for."""
+        return None if self.top_logprobs is None else rows.logprobs(i, token, self.top_logprobs)
 
     @staticmethod
     def _verify(rows: Rows, tokens: Sequence[int], qs: Sequence[Dist | None] | None,
@@ -198,8 +161,7 @@ class Decoder:
                   budget: int) -> list[Committed]:
         rows = self._eval(self.target, ctx, (), 1)
         tok = rows.argmax(0) if sp.greedy else rows.dist(0, sp).sample(rng)
-        self._record(rows, len(ctx), [tok])
-        return [(tok, TARGET, "C")]
+        return [Committed(tok, TARGET, "C", self._logprob(rows, 0, tok))]
 
     def _sd_round(self, ctx: list[int], sp: SamplingParams, rng: np.random.Generator, stats: Stats,
                   budget: int) -> list[Committed]:
@@ -213,8 +175,9 @@ class Decoder:
         """One batched target call: catch up on unseen context, verify `tokens`, add its own token."""
         rows = self._eval(self.target, ctx, tokens, len(tokens) + 1)
         n, nxt = self._verify(rows, tokens, qs, sp, rng)
-        self._record(rows, len(ctx), tokens[:n] + [nxt])
-        return [(t, self.drafter.origin, "C") for t in tokens[:n]] + [(nxt, TARGET, "C")]
+        origin = self.drafter.origin
+        return [Committed(t, origin, "C", self._logprob(rows, i, t)) for i, t in enumerate(tokens[:n])] + \
+            [Committed(nxt, TARGET, "C", self._logprob(rows, n, nxt))]
 
     def _via_round(self, ctx: list[int], sp: SamplingParams, rng: np.random.Generator, stats: Stats,
                    budget: int) -> list[Committed]:
@@ -233,17 +196,17 @@ class Decoder:
         for i, tok in enumerate(draft.tokens):
             tier = self._tier(srows, draft, i, lag + len(out))
             if tier != "C" and self.constraint is not None and \
-                    not self.constraint.allows(ctx + [t for t, _, _ in out], tok):
+                    not self.constraint.allows(ctx + [c.token for c in out], tok):
                 tier = "C"  # only the target may choose where the draft broke the grammar
             if tier == "B":
                 regen = srows.argmax(i) if sp.greedy else srows.dist(i, sp).sample(rng)
                 if regen != tok:
-                    return out + [(regen, SLIM, "B")]
+                    return out + [Committed(regen, SLIM, "B")]
             if tier == "C":
-                committed = ctx + [t for t, _, _ in out]
+                committed = ctx + [c.token for c in out]
                 qs = draft.q[i:] if draft.q is not None else None
                 return out + self._target_verifies(committed, draft.tokens[i:], qs, sp, rng)
-            out.append((tok, DRAFT, tier))
+            out.append(Committed(tok, DRAFT, tier))
             if self.target.is_eog(tok):
                 break
         return out
@@ -295,4 +258,5 @@ class Decoder:
                 break
         if not block:
             return self._ar_round(ctx, sp, rng, stats, budget)
+        self._proposed = block  # the drafts it chained, as verified
         return self._target_verifies(ctx, block, qs, sp, rng)

@@ -1,7 +1,8 @@
 """Drafters: propose up to k tokens after a context, with the probabilities they were drawn from.
 
-One small interface (as llama.cpp's `common/speculative.cpp`): `propose(context, k, sp, rng, spec)`,
-each drafter reading the knobs of `spec` (SpecParams) that concern it. `Draft.conf[i]` is the
+One small interface, llama.cpp's `common/speculative.cpp` shape: `begin(prompt)` once per generation,
+`propose(context, k, sp, rng, spec)` each round (reading the knobs of `spec` that concern it), then
+`accept(n)`: how many of the proposed tokens the committed context kept. `Draft.conf[i]` is the
 drafter's own (untempered) probability of token i, the `draft` routing score; `Draft.q[i]` is the
 distribution token i was sampled from, kept only when sampling because the lossless acceptance
 rule needs it (None: a point mass on the token, as a copy is). `origin` says who the committed
@@ -20,10 +21,10 @@ from .llama import LlamaModel, common_prefix
 from .modes import COPY, DRAFT, Origin
 from .sampling import Dist, SamplingParams
 from .scores import Scorer
+from .spec import NGRAM_LIMIT, SpecParams
 
 if TYPE_CHECKING:
     from .constraints import Constraint
-    from .decoding import SpecParams
 
 
 @dataclass
@@ -38,12 +39,17 @@ class Draft:
 
 class Drafter(Protocol):
     """Proposes up to k tokens after `context`; with a `constraint`, only tokens its grammar allows
-    (a forbidden one would only be rejected)."""
+    (a forbidden one would only be rejected). Within one generation (after `begin`) each context
+    extends the previous one: the loop only appends what it commits."""
 
     origin: Origin
 
+    def begin(self, prompt: Sequence[int]) -> None: ...
+
     def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator,
-                spec: "SpecParams", *, conf: bool = False, constraint: "Constraint | None" = None) -> Draft: ...
+                spec: SpecParams, *, conf: bool = False, constraint: "Constraint | None" = None) -> Draft: ...
+
+    def accept(self, n_accepted: int) -> None: ...
 
 
 class ModelDrafter:
@@ -58,8 +64,14 @@ class ModelDrafter:
     def __init__(self, model: Scorer) -> None:
         self.model = model
 
+    def begin(self, prompt: Sequence[int]) -> None:
+        """Nothing to do: its KV cache follows the context by prefix reuse at each call."""
+
+    def accept(self, n_accepted: int) -> None:
+        """Nothing to learn: rejected tokens leave its cache at the next call's prefix check."""
+
     def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator,
-                spec: "SpecParams", *, conf: bool = False, constraint: "Constraint | None" = None) -> Draft:
+                spec: SpecParams, *, conf: bool = False, constraint: "Constraint | None" = None) -> Draft:
         draft = Draft(q=None if sp.greedy else [])
         p_min, n_min = spec.p_min, spec.n_min
         k = min(k, spec.n_draft, self.model.n_ctx - len(context))
@@ -90,7 +102,6 @@ class ModelDrafter:
         return draft
 
 
-NGRAM_LIMIT = 16  # longest n-gram the index keeps: longer anchors add nothing a run does not say
 
 
 class NgramIndex:
@@ -224,26 +235,29 @@ class CopyDrafter:
         self.index = NgramIndex()
         self.src: int | None = None  # the source position the next token is expected to copy
         self.run = 0                 # tokens the current alignment has matched
-        self._last: tuple[int, int, list[int]] | None = None  # (context length, run, tokens) of the last draft
-        self._context: Sequence[int] | None = None  # the list last proposed for
+        self._last: tuple[int, list[int]] | None = None  # (run, tokens) of the draft awaiting `accept`
 
-    def _sync(self, context: Sequence[int]) -> None:
-        toks = self.index.tokens
-        n_old = len(toks)
-        # the decoding loop hands over one list per generation and only appends to it, so the
-        # same list (no longer than before) extends what was indexed; anything else is compared
-        same = context is self._context and len(context) >= n_old
-        self._context = context
-        if not same and common_prefix(toks, context) < n_old:
-            self.index, self.src, self.run, self._last = NgramIndex(context), None, 0, None
-            return
-        new = context[n_old:]
-        if self._last is not None and self._last[0] == n_old and new:
-            drafted = self._last[2]
-            accepted = common_prefix(drafted, new)
-            self.policy.observe(self._last[1], min(len(drafted), len(new)), accepted)
+    def begin(self, prompt: Sequence[int]) -> None:
+        """Keep the index when the prompt extends what it holds (a chat's next turn, a slot's next
+        request on the same text), else index the prompt anew."""
         self._last = None
-        for tok in new:
+        if common_prefix(self.index.tokens, prompt) < len(self.index.tokens):
+            self.index, self.src, self.run = NgramIndex(), None, 0
+        self._extend(prompt)
+
+    def accept(self, n_accepted: int) -> None:
+        if self._last is not None:
+            run, drafted = self._last
+            self.policy.observe(run, len(drafted), n_accepted)
+            self._last = None
+
+    def _extend(self, context: Sequence[int]) -> None:
+        """Index what `context` adds to the tokens seen, following the copy's alignment."""
+        toks = self.index.tokens
+        if len(context) < len(toks) or (toks and context[len(toks) - 1] != toks[-1]):
+            self.begin(context)  # not an extension (a caller outside the loop): start over
+            return
+        for tok in context[len(toks):]:
             src = self.src
             if src is not None and toks[src] == tok:
                 self.src, self.run = src + 1, self.run + 1
@@ -252,9 +266,9 @@ class CopyDrafter:
             self.index.append(tok)
 
     def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator,
-                spec: "SpecParams", *, conf: bool = False, constraint: "Constraint | None" = None) -> Draft:
+                spec: SpecParams, *, conf: bool = False, constraint: "Constraint | None" = None) -> Draft:
         draft = Draft(q=None if sp.greedy else [])
-        self._sync(context)
+        self._extend(context)
         if self.run < spec.ngram_max:  # no copy yet, or a short one a longer match may beat
             found = self.index.longest_match(spec.ngram_max, spec.ngram_min)
             if found is not None and found[0] > self.run:
@@ -269,7 +283,7 @@ class CopyDrafter:
         if k == 0:
             return draft
         draft.tokens = toks[self.src:self.src + k]
-        self._last = (len(toks), self.run, draft.tokens)
+        self._last = (self.run, draft.tokens)
         if conf:
             draft.conf = [1.0] * k
         if draft.q is not None:

@@ -51,7 +51,7 @@ def greedy_continuations(model: LlamaModel, prompts: Sequence[list[int]], n: int
     for prompt in prompts:
         model.reset()
         model.prefill(prompt[:-1])
-        out.append([tok for tok, _, _ in decoder.generate(prompt, "ar", SamplingParams(), n, Stats())])
+        out.append([c.token for c in decoder.generate(prompt, "ar", SamplingParams(), n, Stats())])
     return out
 
 

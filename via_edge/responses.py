@@ -1,4 +1,4 @@
-"""OpenAI's request arguments into `Engine.stream`'s, and results into OpenAI's response shapes.
+"""OpenAI's request arguments into `Engine.request`'s, and results into OpenAI's response shapes.
 
 Completions, chat completions and their streamed chunks, as the OpenAI API and llama-cpp-python
 return them, with llama-server style `timings` carrying the speculative statistics (`draft_n`,
@@ -7,13 +7,15 @@ return them, with llama-server style `timings` carrying the speculative statisti
 
 from __future__ import annotations
 
+import inspect
 import time
 import uuid
-from typing import Any, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from .engine import MAX_LOGPROBS, Engine, Result, Stream
+from .engine import MAX_LOGPROBS, Engine, Request
 from .errors import InvalidParameterError
-from .sampling import SAMPLING_NAMES
+from .results import Result, Stream
 from .scores import TokenLogprobs
 from .tools import CallStream, Tools, constrain, parse_calls
 
@@ -48,15 +50,18 @@ def usage(result: Result) -> dict:
 NEUTRAL = dict(suffix=None, echo=False, typical_p=1.0, tfs_z=1.0, mirostat_mode=0, mirostat_tau=5.0,
                mirostat_eta=0.1, stopping_criteria=None, logits_processor=None, tools=None, tool_choice=None,
                functions=None, function_call=None, n=1, best_of=1, prediction=None)
-# what Engine.stream takes under the same name
-PASSED = (*SAMPLING_NAMES, "max_tokens", "mode", "spec", "should_stop", "arrived", "logit_bias", "presence_penalty",
-          "frequency_penalty", "repeat_penalty")
+# what Engine.request takes under the same name: its signature is the one list of generation fields
+# (the prompt and how it is tokenized are the caller's; the rest are mapped below)
+MAPPED = ("stop", "grammar", "response_format", "logprobs")
+PASSED = tuple(p for p in inspect.signature(Engine.request).parameters
+               if p not in ("self", "prompt", "chat_template", *MAPPED))
 SHAPE_ONLY = ("stream", "model", "user")
 
 
-def engine_kwargs(kwargs: dict, kind: str = "completion") -> dict:
+def engine_kwargs(kwargs: Mapping[str, Any], kind: str = "completion") -> dict:
     """Map OpenAI/llama-cpp-python argument names of a "completion" or "chat" request onto
-    Engine.stream's; what via-edge does not do is refused by name (ValueError), never ignored."""
+    Engine.request's; what via-edge does not do is refused by name (ValueError), never ignored.
+    The values themselves are Engine.request's to check."""
     out = {k: v for k, v in DEFAULTS.items()}
     for key, value in kwargs.items():
         if value is None or key in SHAPE_ONLY or key in ("logprobs", "top_logprobs"):
@@ -76,8 +81,6 @@ def engine_kwargs(kwargs: dict, kind: str = "completion") -> dict:
                 raise InvalidParameterError(f"'{key}' is not supported by via-edge (got {value!r:.60})", key)
         else:
             raise InvalidParameterError(f"unknown parameter '{key}'", key)
-    if out["max_tokens"] is not None and out["max_tokens"] < 1:
-        raise InvalidParameterError(f"max_tokens must be >= 1, got {out['max_tokens']}", "max_tokens")
     out["logprobs"] = _logprobs(kwargs.get("logprobs"), kwargs.get("top_logprobs"), kind)
     return out
 
@@ -215,25 +218,44 @@ def _finish(reason: str, calls: list) -> str:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
-def respond(engine: Engine, tokens: Sequence[int], kind: str, stream: bool = False, *, include_usage: bool = False,
-            prompt_text: str = "", echo: bool = False, tools: Tools | None = None, **kwargs) -> dict | Iterator[dict]:
-    """A completion ("completion") or chat completion ("chat") of prompt tokens, whole or in chunks
-    (`include_usage`: OpenAI's `stream_options.include_usage`; `prompt_text`: a completion's
-    prompt, which `echo` puts first and logprobs' text_offset counts from, as OpenAI and
-    llama-cpp-python do; `tools`: the chat's functions, whose calls become `tool_calls`)."""
-    args = constrain(tools, engine_kwargs(kwargs, kind))
-    with_logprobs = args["logprobs"] is not None
-    if kind == "chat":
+@dataclass(frozen=True)
+class Call:
+    """An OpenAI-style call, checked once: the engine's request and how its answer is shaped."""
+
+    kind: str  # "completion" or "chat"
+    request: Request
+    tools: Tools | None = None  # the chat's functions, whose calls become `tool_calls`
+    prompt_text: str = ""  # a completion's prompt: what `echo` puts first, where text_offset counts from
+    echo: bool = False
+
+
+def prepare(engine: Engine, tokens: Sequence[int], kind: str, *, tool_spec: Tools | None = None,
+            prompt_text: str = "", echo: bool = False, **kwargs) -> Call:
+    """A completion ("completion") or chat completion ("chat") of prompt tokens, checked: OpenAI
+    names mapped (engine_kwargs), a tool_choice's grammar added, then every value checked and the
+    grammar compiled by Engine.request. Raises InvalidParameterError / ContextOverflowError.
+    `tool_spec`: a chat's parsed tools (already in its prompt); a raw `tools` field is refused."""
+    args = constrain(tool_spec, engine_kwargs(kwargs, kind))
+    return Call(kind, engine.request(list(tokens), **args), tool_spec, prompt_text, echo)
+
+
+def respond(engine: Engine, call: Call, stream: bool = False, *, include_usage: bool = False,
+            should_stop: Callable[[], bool] | None = None, arrived: float | None = None) -> dict | Iterator[dict]:
+    """Run a call: the response, or its chunks with `stream` (`include_usage`: OpenAI's
+    `stream_options.include_usage`)."""
+    with_logprobs = call.request.top_logprobs is not None
+    if call.kind == "chat":
         shape = _Shape(engine, "chat.completion.chunk" if stream else "chat.completion", "chatcmpl", with_logprobs,
-                       tools)
+                       call.tools)
     else:
         shape = _Shape(engine, "text_completion", "cmpl", with_logprobs)
-    pieces = engine.stream(list(tokens), **args)
+    pieces = engine.run(call.request, should_stop=should_stop, arrived=arrived)
+    head = call.prompt_text if call.echo else ""
     if stream:
-        return shape.chunks(pieces, include_usage, prompt_text if echo else "", len(prompt_text))
+        return shape.chunks(pieces, include_usage, head, len(call.prompt_text))
     for _ in pieces:
         pass
-    return shape.whole(pieces.result, prompt_text if echo else "", len(prompt_text))
+    return shape.whole(pieces.result, head, len(call.prompt_text))
 
 
 def create_completion(engine: Engine, prompt: str | Sequence[int], *, stream: bool = False, echo: bool = False,
@@ -242,7 +264,7 @@ def create_completion(engine: Engine, prompt: str | Sequence[int], *, stream: bo
     `echo` puts the prompt's text before the completion, as theirs does."""
     tokens = engine.tokens_for(prompt, chat_template=False)
     text = prompt if isinstance(prompt, str) else engine.target.detokenize(tokens)
-    return respond(engine, tokens, "completion", stream, prompt_text=text, echo=echo, **kwargs)
+    return respond(engine, prepare(engine, tokens, "completion", prompt_text=text, echo=echo, **kwargs), stream)
 
 
 def create_chat_completion(engine: Engine, messages: Sequence[Mapping[str, Any]], *, stream: bool = False,
@@ -251,10 +273,9 @@ def create_chat_completion(engine: Engine, messages: Sequence[Mapping[str, Any]]
     """llama-cpp-python's `Llama.create_chat_completion` on an engine: like theirs, no token cap
     unless `max_tokens` is given (it runs to the end of the answer or of the context)."""
     spec = Tools.parse(tools, tool_choice)
-    kwargs["tools"] = spec
     tokens = engine.chat_prompt(messages, spec)
     if kwargs.get("max_tokens") is None:
         kwargs["max_tokens"] = max(1, engine.target.n_ctx - len(tokens))
     if kwargs.get("temperature") is None:
         kwargs["temperature"] = CHAT_TEMPERATURE
-    return respond(engine, tokens, "chat", stream, **kwargs)
+    return respond(engine, prepare(engine, tokens, "chat", tool_spec=spec, **kwargs), stream)

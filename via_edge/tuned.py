@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from . import models as catalog
-from .decoding import SpecParams
+from .spec import SpecParams
 from .errors import ViaEdgeError
 from .files import read_json
 from .machine import machine_key

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .. import models as catalog
-from ..decoding import SpecParams
+from ..spec import SpecParams
 from ..engine import Engine
 from ..machine import machine, versions
 from ..modes import MODE_NAMES

@@ -11,7 +11,7 @@ import typer
 
 from ..batching import DEFAULT_PARALLEL
 from ..constraints import grammar_text
-from ..decoding import SpecParams
+from ..spec import SpecParams
 from ..errors import ViaEdgeError
 from ..files import write_text
 from ..llama import MAX_SEQ

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, get_type_hints
 
 import typer
 
-from ..decoding import SpecParams
+from ..spec import SpecParams
 from ..engine import Engine
 from ..errors import ViaEdgeError
 from ..llama import EXACT, MAX_SEQ, LoadParams

@@ -28,7 +28,7 @@ from typing import Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ..responses import respond
+from ..responses import Call, respond
 from ..engine import Engine
 from ..errors import RemoteDeviceError, ViaEdgeError
 from ..llama import rpc
@@ -105,22 +105,25 @@ def create_app(engine: Engine, *, max_body: int = MAX_BODY, max_tokens_limit: in
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await requests.read(request, CompletionBody)
-        kw, tokens = requests.params(body), requests.completion_tokens(body)
-        shape = {"prompt_text": requests.prompt_text(body, tokens), "echo": body.echo}
-        return await generate(request, tokens, "completion", body.stream, kw | shape)
+        tokens = requests.completion_tokens(body)
+        call = requests.call(body, tokens, prompt_text=requests.prompt_text(body, tokens), echo=body.echo)
+        return await generate(request, call, body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await requests.read(request, ChatBody)
-        kw = requests.params(body)
-        tokens = requests.chat_tokens(body, kw.get("tools"))
-        return await generate(request, tokens, "chat", body.stream, kw)
+        tools = requests.tools(body)
+        call = requests.call(body, requests.chat_tokens(body, tools), tool_spec=tools)
+        return await generate(request, call, body)
 
-    async def generate(request: Request, tokens: list[int], kind: str, stream: bool, kw: dict):
+    async def generate(request: Request, call: Call, body: CompletionBody | ChatBody):
+        """Queue the checked call; its worker runs it."""
+        usage = body.stream_options is not None and body.stream_options.include_usage
+
         def make(stop: Callable[[], bool], arrived: float):
-            return respond(engine, tokens, kind, stream, should_stop=stop, arrived=arrived, **kw)
+            return respond(engine, call, body.stream, include_usage=usage, should_stop=stop, arrived=arrived)
 
-        return await request.app.state.dispatch.respond(request, make, stream)
+        return await request.app.state.dispatch.respond(request, make, body.stream)
 
     return app
 

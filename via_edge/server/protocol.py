@@ -1,5 +1,5 @@
 """The OpenAI request side of the server: typed bodies, OpenAI-shaped errors, and each request
-turned into the engine's tokens and keywords, every value checked before the request waits for a slot."""
+turned into a checked `responses.Call` (the engine's `Request`) before it waits for a slot."""
 
 from __future__ import annotations
 
@@ -10,13 +10,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
-from ..responses import DEFAULTS, engine_kwargs
-from ..constraints import LogitRules, grammar_text
 from ..engine import Engine
-from ..errors import ContextOverflowError, InvalidParameterError, ViaEdgeError
-from ..modes import MODE_NAMES, check_logprobs
-from ..sampling import SAMPLING_NAMES, SamplingParams
-from ..tools import Tools, constrain
+from ..errors import ContextOverflowError, InvalidParameterError
+from ..modes import MODE_NAMES
+from ..responses import Call, prepare
+from ..tools import Tools
 
 
 class _StreamOptions(BaseModel):
@@ -25,19 +23,14 @@ class _StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-# OpenAI and llama-server fields that change what is generated: responses.engine_kwargs does each
-# one or refuses it by name (a 400 naming the field), never ignores it
-GENERATION_FIELDS = ("n", "best_of", "logprobs", "top_logprobs", "logit_bias", "presence_penalty",
-                     "frequency_penalty", "repeat_penalty", "response_format", "grammar", "tools", "tool_choice",
-                     "functions", "function_call", "prediction")
-
-
-RULE_FIELDS = ("logit_bias", "presence_penalty", "frequency_penalty", "repeat_penalty")
+# how a request is sent and answered, not what is generated: the rest of a body goes to
+# responses.engine_kwargs, which does each field or refuses it by name (a 400), never ignores it
+TRANSPORT = {"model", "stream", "stream_options", "max_completion_tokens", "messages", "prompt", "echo"}
 
 
 class _Body(BaseModel):
     """Fields every generation request shares; fields that do not change the output (user,
-    metadata...) are accepted and ignored."""
+    metadata...) are accepted and ignored. Fields typed Any are checked by the engine."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -171,52 +164,38 @@ class Requests:
         except ValidationError as exc:
             raise _invalid(exc) from exc
 
-    def params(self, body: _Body) -> dict:
-        """Engine.stream's keywords for a request, every value checked."""
+    def call(self, body: _Body, tokens: list[int], **shape) -> Call:
+        """The request's one check: the server's own limits here, everything else by the engine
+        (responses.prepare), each refusal a 400 naming the field."""
         engine, limit = self.engine, self.max_tokens_limit
         if body.model is not None and body.model not in (engine.model_name, "via-edge"):
             raise HTTPError(404, f"The model '{body.model}' does not exist", code="model_not_found", param="model")
         mt = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
-        if mt is not None and mt < 1:
-            raise HTTPError(400, f"max_tokens must be a positive integer, got {mt}", param="max_tokens")
         if mt is not None and mt > limit:
             raise HTTPError(400, f"max_tokens may be at most {limit}, got {mt}", param="max_tokens")
-        out = {k: getattr(body, k) for k in (*SAMPLING_NAMES, "mode", "stop")
-               if getattr(body, k) is not None}
-        out["max_tokens"] = mt if mt is not None else min(256, limit)
-        if body.stream_options is not None:
-            if not body.stream:
-                raise HTTPError(400, "'stream_options' is only allowed when 'stream' is true",
-                                param="stream_options")
-            out["include_usage"] = body.stream_options.include_usage
-        sampling = {k: out[k] for k in SAMPLING_NAMES if k in out}
-        try:
-            SamplingParams(**{k: DEFAULTS[k] for k in SAMPLING_NAMES if k in DEFAULTS} | sampling)
-        except ViaEdgeError as exc:
-            raise HTTPError(400, str(exc), param=str(exc).split(" ", 1)[0], code="invalid_value") from exc
+        if body.stream_options is not None and not body.stream:
+            raise HTTPError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
         if isinstance(body, ChatBody) and body.echo is not None:
             raise HTTPError(400, "'echo' is not supported for chat completions", param="echo",
                             code="unsupported_parameter")
-        if isinstance(body, CompletionBody) and body.suffix is not None:
-            raise HTTPError(400, "'suffix' is not supported by via-edge", param="suffix", code="unsupported_parameter")
-        out |= {k: getattr(body, k) for k in GENERATION_FIELDS if getattr(body, k) is not None}
-        chat = isinstance(body, ChatBody)
+        chat = isinstance(body, ChatBody)  # a chat's tools are in its prompt and `shape`; completions refuse them
+        kwargs = {k: v for k, v in body.model_dump(exclude=TRANSPORT | ({"tools", "tool_choice"} if chat else set()))
+                  .items() if v is not None}
+        kwargs["max_tokens"] = mt if mt is not None else min(256, limit)
+        kind = "chat" if chat else "completion"
         try:
-            tools = Tools.parse(out.pop("tools", None), out.pop("tool_choice", None)) if chat else None
-            shaping = ("include_usage",)  # how the answer is sent, not what it is
-            checked = constrain(tools, engine_kwargs({k: v for k, v in out.items() if k not in shaping},
-                                                     "chat" if chat else "completion"))
-            if tools is not None:
-                out["tools"] = tools
-            check_logprobs(checked.get("mode") or engine.mode, checked["logprobs"])
-            LogitRules.make(engine.target.n_vocab, **{k: checked[k] for k in RULE_FIELDS if k in checked})
-            gbnf = grammar_text(checked.get("grammar"), checked.get("response_format"))
-            if gbnf:
-                engine.target.grammar(gbnf).close()  # parses, or says where it does not
+            return prepare(engine, tokens, kind, **shape, **kwargs)
+        except ContextOverflowError as exc:
+            raise HTTPError(400, str(exc), param="prompt", code="context_length_exceeded") from exc
         except InvalidParameterError as exc:
-            param = exc.param or ("grammar" if "grammar" in out else "response_format")
+            param = exc.param or str(exc).split(" ", 1)[0]
             raise HTTPError(400, str(exc), param=param, code="invalid_value") from exc
-        return out
+
+    def tools(self, body: ChatBody) -> Tools | None:
+        try:
+            return Tools.parse(body.tools, body.tool_choice)
+        except InvalidParameterError as exc:
+            raise HTTPError(400, str(exc), param=exc.param or "tools", code="invalid_value") from exc
 
     def prompt_text(self, body: CompletionBody, tokens: list[int]) -> str:
         """The prompt as text, as given: what `echo` puts first, where logprobs' offsets start."""
@@ -233,23 +212,16 @@ class Requests:
                 raise HTTPError(400, "'prompt' may hold one string only (no batches)", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return self._fits(engine.tokens_for(prompt, chat_template=False))
+            return engine.tokens_for(prompt, chat_template=False)
         bad = next((t for t in prompt if not 0 <= t < engine.target.n_vocab), None)
         if bad is not None or not prompt:
             raise HTTPError(400, f"'prompt' token ids must be in 0..{engine.target.n_vocab - 1}"
                             + (f", got {bad}" if bad is not None else ", got an empty list"), param="prompt",
                             code="invalid_value")
-        return self._fits(list(prompt))
+        return list(prompt)
 
     def chat_tokens(self, body: ChatBody, tools: Tools | None) -> list[int]:
         try:
-            return self._fits(self.engine.chat_prompt([m.turn(i) for i, m in enumerate(body.messages)], tools))
+            return self.engine.chat_prompt([m.turn(i) for i, m in enumerate(body.messages)], tools)
         except InvalidParameterError as exc:
             raise HTTPError(400, str(exc), param=exc.param or "messages", code="invalid_value") from exc
-
-    def _fits(self, tokens: list[int]) -> list[int]:
-        try:
-            self.engine.check_fits(tokens)
-        except ContextOverflowError as exc:
-            raise HTTPError(400, str(exc), param="prompt", code="context_length_exceeded") from exc
-        return tokens

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from ..bench.metrics import geomean
-from ..decoding import SpecParams
+from ..spec import SpecParams
 from ..modes import LOSSLESS
 from .record import SlimTrace, Trace
 from ..drafters import CopyDrafter

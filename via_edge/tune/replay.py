@@ -27,7 +27,8 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..decoding import Decoder, SpecParams
+from ..decoding import Decoder
+from ..spec import SpecParams
 from ..drafters import CopyDrafter, CopyPolicy, ModelDrafter
 from ..llama import common_prefix, reuse_point
 from ..modes import Origin, Tier, mode_info
@@ -183,15 +184,15 @@ def replay(trace: Trace, slim: SlimTrace | None, mode: str, spec: SpecParams, co
     def resync(i: int, tok: int) -> int | None:
         return target_tokens[i] if i < len(target_tokens) and tok != target_tokens[i] else None
 
-    for tok, origin, tier in Decoder(target, drafter, slim_m, spec).generate(
+    for c in Decoder(target, drafter, slim_m, spec).generate(
             seq[:p0], mode, GREEDY, len(target_tokens), stats, resync=resync):
         i = len(out.tokens)
-        if tok != target_tokens[i]:
+        if c.token != target_tokens[i]:
             out.errors += 1
             out.first_error = i if out.first_error < 0 else out.first_error
-        out.tokens.append(tok)
-        out.origins.append(origin)
-        out.tiers.append(tier)
+        out.tokens.append(c.token)
+        out.origins.append(c.origin)
+        out.tiers.append(c.tier)
     out.rounds, out.draft_n = stats.rounds, stats.draft_n
     out.seconds, out.calls, out.guesses = meter.seconds, dict(meter.calls), meter.guesses
     return out

@@ -28,7 +28,7 @@ import numpy as np
 from .. import formats
 from .. import models as catalog
 from ..bench.metrics import fidelity, geomean
-from ..decoding import SpecParams
+from ..spec import SpecParams
 from ..engine import Engine
 from ..derived import derived_files, in_use, remove
 from ..errors import InvalidParameterError, ViaEdgeError

@@ -1,0 +1,129 @@
+"""The models of one engine: the target loaded at once, the draft and slim when a mode first needs
+them (a given file, or derived from the target's own blocks), and the target's measured batch
+costs; plus what a catalog pair's tuned choice says to load."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from . import formats
+from . import models as catalog
+from .costs import batch_cost
+from .drafters import check_compatible
+from .errors import InvalidParameterError
+from .llama import LlamaModel, LoadParams
+from .modes import DEFAULT_MODE, mode_info
+from .slim import build_f32, build_slim, is_prefix, slim_source, target_sha256
+from .spec import SpecParams
+from .tuned import TunedConfig, load_choice
+
+Progress = Callable[[str, float], None]  # (what is loading, fraction done)
+
+
+@dataclass
+class Models:
+    """The loaded models. `prepare(mode)` loads what a mode needs; until then draft and slim are None."""
+
+    target: LlamaModel
+    draft: LlamaModel | None = None
+    slim: LlamaModel | None = None
+    slim_prefix: int | None = None  # blocks kept, when the slim is a prefix of the target
+    batch_cost: Callable[[int], float] | None = None  # the target's verification cost by size (lookup)
+
+    def each(self) -> list[LlamaModel]:
+        return [m for m in (self.slim, self.draft, self.target) if m is not None]
+
+
+def model_file(spec: str | Path, pull_missing: bool = False, f32: bool = False) -> Path:
+    """A model file: a path, or a catalog name (fetched when allowed); its F32 copy with `f32`
+    (slim.build_f32)."""
+    path = catalog.resolve(spec, pull_missing=pull_missing)
+    return build_f32(path) if f32 else path
+
+
+class Loader:
+    """Loads an engine's models under one set of load parameters, each once, from any thread."""
+
+    def __init__(self, target: Path, draft: str | Path | None, slim: str | Path | None,
+                 draft_layers: str | None, slim_layers: str | None, load: LoadParams, *, f32: bool,
+                 pull_missing: bool, progress: Progress | None) -> None:
+        """`target` is a resolved file (`model_file`); draft and slim are resolved when loaded."""
+        self.load, self._f32, self._pull, self._progress = load, f32, pull_missing, progress
+        self._draft, self._draft_layers = draft, draft_layers
+        self._slim, self._slim_layers = slim, slim_layers
+        self._lock = threading.Lock()  # one thread loads a mode's models
+        self.target_path = target
+        self.models = Models(self._open("target", target))
+
+    def _open(self, role: str, path: Path) -> LlamaModel:
+        cb = None
+        if self._progress is not None:
+            cb = lambda frac, role=role: self._progress(role, frac)  # noqa: E731
+        # only the target's layers go to RPC servers: draft and slim run here, where they are cheap
+        params = self.load if role == "target" else replace(self.load, rpc=(), tensor_split=())
+        return LlamaModel(path, params, progress=cb)
+
+    def prepare(self, mode: str, batched: bool) -> None:
+        """Load whatever `mode` needs that is not loaded yet. With `batched` (several slots) the
+        batch costs are measured whatever the mode: later they would be measured beside (and reset
+        the caches of) running generations."""
+        info, m = mode_info(mode), self.models
+        with self._lock:
+            if info.draft_model and m.draft is None:
+                m.draft = self._derived("draft", self._draft, self._draft_layers, mode)
+            if info.slim and m.slim is None:
+                m.slim = self._derived("slim", self._slim, self._slim_layers, mode)
+                source = slim_source(m.slim.path)  # KV import only from the very target the slim was cut from
+                if source and is_prefix(source[0]) and source[1] == target_sha256(self.target_path):
+                    m.slim_prefix = len(source[0])
+            if (info.drafter == "lookup" or batched) and m.batch_cost is None:
+                if self._progress is not None:
+                    self._progress("batch costs", 0.0)
+                m.batch_cost = batch_cost(m.target)  # measured once per machine and model file
+                if self._progress is not None:
+                    self._progress("batch costs", 1.0)
+
+    def _derived(self, role: str, given: str | Path | None, layers: str | None, mode: str) -> LlamaModel:
+        """The draft or slim: a given file, else a slim of the target's `layers`; checked against it."""
+        if given is not None:
+            path = model_file(given, self._pull, self._f32)
+        elif layers:
+            path = build_slim(self.target_path, layers)
+        else:
+            raise InvalidParameterError(f"mode {mode} needs a {role} model (or {role}_layers)")
+        model = self._open(role, path)
+        check_compatible(self.models.target, model, role)
+        return model
+
+
+def pair_arguments(name: str | None, tuned: bool, overrides: dict, fallback_mode: str = DEFAULT_MODE,
+                   **kwargs: Any) -> tuple[str, Path | str, Path | str | None, TunedConfig | None, dict]:
+    """What `Engine.from_pair` loads for a catalog pair: (catalog name, target, draft, the tuned
+    choice or None, Engine keywords). A tuned choice on this machine supplies the weight formats,
+    the mode, the slim layers and each mode's knobs; keywords given win, `overrides` (SpecParams
+    fields) change single knobs of every mode's tuned spec, an explicit `spec` replaces them all."""
+    pair = catalog.pair(name)
+    choice = load_choice(pair["name"]) if tuned else None
+    if choice is not None:
+        kwargs.setdefault("mode", choice.mode)
+        if choice.slim_layers:
+            kwargs.setdefault("slim_layers", choice.slim_layers)
+        if "spec" not in kwargs:
+            mode = kwargs["mode"] if kwargs["mode"] in choice.modes else None
+            kwargs["spec"] = replace(choice.spec(mode), **overrides)
+            kwargs.setdefault("mode_specs", {m: replace(choice.spec(m), **overrides) for m in choice.modes})
+    elif overrides and "spec" not in kwargs:
+        kwargs["spec"] = SpecParams(**overrides)
+    kwargs.setdefault("mode", fallback_mode)
+    kwargs.setdefault("draft_layers", pair.get("draft_layers"))
+    kwargs.setdefault("slim_layers", pair.get("slim_layers"))
+    target, draft = pair["target"], pair.get("draft")
+    if choice is not None and not kwargs.get("f32"):  # the tuned weight formats (derived once, then reused)
+        pull = kwargs.get("pull_missing", False)
+        target = formats.derive(catalog.resolve(target, pull_missing=pull), choice.target_format)
+        if draft:
+            draft = formats.derive(catalog.resolve(draft, pull_missing=pull), choice.draft_format)
+    return pair["target"], target, draft, choice, kwargs
