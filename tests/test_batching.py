@@ -36,7 +36,7 @@ def test_decode_batch_rows_belong_to_their_sequence(tiny_target):
             LlamaModel(tiny_target, LoadParams(n_ctx=3 * 512, n_seq=3, kv_type="f32", flash_attn=False,
                                                use_extra_bufts=False)) as many:
         texts = [[3, 4, 5, 6], [9, 8], [11, 12, 13]]
-        want = [one.eval(t, len(t)).copy() for t in texts]
+        want = [one.seqs[0].eval(t, len(t)).copy() for t in texts]
         got = many.decode_batch([(many.seqs[2], texts[2], [0, 1, 2]), (many.seqs[0], texts[0], [0, 1, 2, 3]),
                                  (many.seqs[1], texts[1], [0, 1])])
         for w, g in zip([want[2], want[0], want[1]], got):
@@ -44,7 +44,7 @@ def test_decode_batch_rows_belong_to_their_sequence(tiny_target):
         assert [s.tokens for s in many.seqs] == texts
         many.seqs[0].truncate(2)  # one sequence rolls back; the others keep their cache
         assert many.seqs[0].tokens == [3, 4] and many.seqs[2].tokens == texts[2]
-        np.testing.assert_allclose(many.seqs[2].decode([14]), one.eval(texts[2] + [14]), atol=1e-4)
+        np.testing.assert_allclose(many.seqs[2].decode([14]), one.seqs[0].eval(texts[2] + [14]), atol=1e-4)
 
 
 @pytest.mark.parametrize("mode", ["ar", "lookup", "sd", "via", "hier"])

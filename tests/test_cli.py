@@ -1,5 +1,8 @@
-"""The command line as a user meets it: real processes, real llama.cpp, tiny models."""
+"""The command line as a user meets it: real llama.cpp, tiny models; a few runs in processes of
+their own (as a user starts them), the rest through the same entry point in this process."""
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -8,13 +11,33 @@ import sys
 import pytest
 
 from via_edge import Engine, SpecParams
+from via_edge.cli.app import main
 
 EXACT_FLAGS = ["--exact", "--no-flash-attn", "--kv-type", "f32", "--ctx", "256"]
 
 
-def cli(*args, ok=True):
-    proc = subprocess.run([sys.executable, "-m", "via_edge", *map(str, args)], capture_output=True,
-                          text=True, timeout=120)
+def in_process(args) -> subprocess.CompletedProcess:
+    """`via-edge ARGS` through `main()`, the console script's entry point, in this process: its
+    output, and the exit code it would end with."""
+    out, err, argv = io.StringIO(), io.StringIO(), sys.argv
+    sys.argv = ["via-edge", *args]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main()
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = argv
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def cli(*args, ok=True, process=False):
+    """With `process`, in a Python process of its own (`python -m via_edge`)."""
+    args = [str(a) for a in args]
+    proc = subprocess.run([sys.executable, "-m", "via_edge", *args], capture_output=True, text=True,
+                          timeout=120) if process else in_process(args)
     assert "Traceback" not in proc.stderr, proc.stderr
     if ok:
         assert proc.returncode == 0, proc.stderr
@@ -31,7 +54,7 @@ def user_error(*args, match):
 @pytest.mark.parametrize("mode", ["ar", "sd", "via", "hier", "lookup"])
 def test_generate_json(tiny_target, mode):
     proc = cli("generate", "hello world", "--target", tiny_target, "--draft-layers", "0-1",
-               "--slim-layers", "0-2", "--mode", mode, "-n", 20, "--raw", "--json", *EXACT_FLAGS)
+               "--slim-layers", "0-2", "--mode", mode, "-n", 20, "--raw", "--json", *EXACT_FLAGS, process=True)
     out = json.loads(proc.stdout)
     # the same request in this process (same exact kernels) is the oracle for what the command reports
     spec = SpecParams()
@@ -49,7 +72,7 @@ def test_generate_json(tiny_target, mode):
 
 def test_generate_streams_text_and_reports(tiny_target):
     proc = cli("generate", "hello world", "--target", tiny_target, "--draft-layers", "0-1", "--mode", "sd",
-               "-n", 12, *EXACT_FLAGS)
+               "-n", 12, *EXACT_FLAGS, process=True)
     assert proc.stdout.strip() and "[sd] " in proc.stderr and "tok/s" in proc.stderr
 
 
@@ -184,7 +207,7 @@ def test_incompatible_draft_is_refused(tiny_target, tiny_dir):
 
 def test_models_commands(tmp_path, monkeypatch):
     monkeypatch.setenv("VIA_EDGE_MODEL_DIR", str(tmp_path))
-    out = cli("models", "list").stdout
+    out = cli("models", "list", process=True).stdout
     assert "qwen2.5-coder-1.5b-instruct" in out and "pair qwen2.5-coder" in out
     assert cli("models", "path", "smollm2-135m-instruct").stdout.strip().endswith(".gguf")
     user_error("models", "path", "qwen2.5-coder-1.5b-instruct", match="not downloaded")

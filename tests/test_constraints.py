@@ -65,7 +65,7 @@ def test_sampled_sd_draws_from_the_grammar_restricted_distribution(engines):
     engine.prepare("sd")
     sp = SamplingParams(temperature=4.0)
     tokens = engine.tokens_for("the cat is here", False)
-    row = np.array(engine.models.target.eval(tokens, 1)[0])
+    row = np.array(engine.models.target.seqs[0].eval(tokens, 1)[0])
     allowed = engine.target.grammar('root ::= [a-p] [a-p]').mask(row)
     p = dist(allowed, sp).dense(engine.target.n_vocab)
     free = dist(row, sp).dense(engine.target.n_vocab)
@@ -120,7 +120,7 @@ def reference_greedy(model, prompt, n, bias={}, presence=0.0, frequency=0.0, rep
     model.reset()
     ctx, out = list(prompt), []
     for _ in range(n):
-        row = np.array(model.eval(ctx, 1)[0], dtype=np.float64)
+        row = np.array(model.seqs[0].eval(ctx, 1)[0], dtype=np.float64)
         for t, b in bias.items():
             row[t] += b
         for t in set(ctx[-64:]):

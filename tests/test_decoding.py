@@ -31,13 +31,19 @@ def run(engine, prompt, mode, **kw):
     return engine.generate(prompt, mode=mode, chat_template=False, **kw)
 
 
+@pytest.fixture(scope="module")
+def references(engines):
+    """`ar`'s greedy answer per (engine, prompt), made once: what every lossless mode must equal."""
+    return {(i, p): run(e, p, "ar") for i, e in enumerate(engines) for p in PROMPTS}
+
+
 @pytest.mark.parametrize("n_draft", [1, 2, 3, 5, 8])
-def test_greedy_sd_hier_lookup_equal_ar(engines, n_draft):
+def test_greedy_sd_hier_lookup_equal_ar(engines, references, n_draft):
     spec = SpecParams(n_draft=n_draft, hier_block=max(2, 2 * n_draft))
     accepted = rejected = 0
-    for engine in engines:
+    for i, engine in enumerate(engines):
         for prompt in PROMPTS:
-            ar = run(engine, prompt, "ar")
+            ar = references[(i, prompt)]
             for mode in ("sd", "hier", "lookup"):
                 res = run(engine, prompt, mode, spec=spec)
                 assert res.tokens == ar.tokens, (mode, prompt)
@@ -157,7 +163,7 @@ def test_via_routes_by_the_slims_score(engines):
             for i, (tok, origin, tier) in enumerate(zip(res.tokens, res.origins, res.tiers)):
                 if tier == "C":
                     continue
-                row = slim.eval(prompt + res.tokens[:i], 1)[0]
+                row = slim.seqs[0].eval(prompt + res.tokens[:i], 1)[0]
                 r = float(np.exp(row[tok] - row.max()))
                 if tier == "A":
                     assert origin == "draft" and r >= tau_a - eps, (i, r)
@@ -193,9 +199,9 @@ def test_kv_caches_match_fresh_contexts(engines):
         for model in (engine.models.target, engine.models.draft, engine.models.slim):
             # caches may hold rejected drafts until their next call syncs them: that call must
             # give exactly what a fresh context fed the committed text gives
-            got = model.eval(committed, 1).copy()
+            got = model.seqs[0].eval(committed, 1).copy()
             with LlamaModel(model.path, LoadParams(**EXACT)) as fresh:
-                want = fresh.eval(committed, 1)
+                want = fresh.seqs[0].eval(committed, 1)
                 assert np.abs(got - want).max() < 1e-4
 
 
@@ -229,8 +235,8 @@ def test_stochastic_sd_and_hier_match_target_distribution(engines):
     engine.prepare("hier")
     sp = dict(temperature=25.0)
     prompt_tokens = engine.tokens_for("the cat is here", False)
-    p = dist(engine.models.target.eval(prompt_tokens, 1)[0], SamplingParams(**sp)).dense(engine.target.n_vocab)
-    q = dist(engine.models.draft.eval(prompt_tokens, 1)[0], SamplingParams(**sp)).dense(engine.target.n_vocab)
+    p = dist(engine.models.target.seqs[0].eval(prompt_tokens, 1)[0], SamplingParams(**sp)).dense(engine.target.n_vocab)
+    q = dist(engine.models.draft.seqs[0].eval(prompt_tokens, 1)[0], SamplingParams(**sp)).dense(engine.target.n_vocab)
     n = 6000
     assert np.abs(p - q).sum() > 0.1  # the draft really differs, so the residual path runs
     for mode in ("sd", "hier"):
@@ -254,7 +260,7 @@ def test_stochastic_lookup_matches_target_distribution(engines):
     said = engine.generate(base, mode="ar", max_tokens=12).tokens
     prompt_tokens = base + said + [said[0]]  # ends on a token seen once before: the copy is said[1]
     copy = said[1]
-    p = dist(engine.models.target.eval(prompt_tokens, 1)[0], SamplingParams(**sp)).dense(engine.target.n_vocab)
+    p = dist(engine.models.target.seqs[0].eval(prompt_tokens, 1)[0], SamplingParams(**sp)).dense(engine.target.n_vocab)
     assert 0.05 < p[copy] < 0.9  # both the accept and the residual paths run often
     n = 6000
     firsts, drafted = [], 0

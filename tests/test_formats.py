@@ -45,7 +45,7 @@ def test_variant_has_the_tensor_types_its_recipe_promises(tiny256, name):
     assert path.name == f"{tiny256.stem}.{name}-{formats.sha256_cached(tiny256)[:12]}.gguf"
     assert abs(path.stat().st_size - formats.estimate_size(tiny256, r)) < 5 << 20
     with LlamaModel(path, LoadParams(n_ctx=64)) as m:  # llama.cpp loads and runs it
-        assert m.eval([1, 2, 3]).shape == (1, m.n_vocab)
+        assert m.seqs[0].eval([1, 2, 3]).shape == (1, m.n_vocab)
     mtime = path.stat().st_mtime_ns
     assert formats.derive(tiny256, name, quiet=True) == path and path.stat().st_mtime_ns == mtime  # reused
 
@@ -165,7 +165,7 @@ def test_quality_accepts_an_identical_copy_and_rejects_a_damaged_variant(smollm2
     shutil.copy(smollm2, copy)
     damaged = tmp_path / "q2k.gguf"
     formats._quantize(smollm2, damaged, formats.Recipe("q2_k", "Q2_K", "Q2_K"), "0" * 64, None,
-                      formats.Progress("q2_k", 1, quiet=True))
+                      formats.ByteProgress("q2_k", 1, quiet=True))
     load = LoadParams(n_ctx=1024)
     with LlamaModel(smollm2, load) as src, LlamaModel(copy, load) as same, LlamaModel(damaged, load) as bad:
         conts = greedy_continuations(src, smol_prompts, 24)

@@ -38,41 +38,58 @@ def test_loaded_facts(model):
 def test_batch_equals_one_by_one(model):
     toks = model.tokenize(TEXT)
     model.reset()
-    batched = model.decode(toks, "all").copy()
+    batched = model.seqs[0].decode(toks, "all").copy()
     model.reset()
-    single = np.stack([model.decode([t])[0].copy() for t in toks])
+    single = np.stack([model.seqs[0].decode([t])[0].copy() for t in toks])
     assert np.abs(batched - single).max() < 1e-4
 
 
 def test_quantized_model_decodes(tiny_q8):
     with LlamaModel(tiny_q8, PARAMS) as m:
-        rows = m.decode(m.tokenize("quantized weights"), "all")
-        assert rows.shape == (len(m.tokens), m.n_vocab) and np.isfinite(rows).all()
+        rows = m.seqs[0].decode(m.tokenize("quantized weights"), "all")
+        assert rows.shape == (len(m.seqs[0].tokens), m.n_vocab) and np.isfinite(rows).all()
 
 
 def test_rollback_then_redecode(model):
     toks = model.tokenize(TEXT)
     model.reset()
-    first = model.decode(toks, "all").copy()
-    model.truncate(10)
-    assert model.n_past == 10 and model.tokens == toks[:10]
-    again = model.decode(toks[10:], "all")
+    first = model.seqs[0].decode(toks, "all").copy()
+    model.seqs[0].truncate(10)
+    assert model.seqs[0].n_past == 10 and model.seqs[0].tokens == toks[:10]
+    again = model.seqs[0].decode(toks[10:], "all")
     assert np.abs(again - first[10:]).max() < 1e-4
 
 
 def test_eval_reuses_prefix_and_rolls_back(model):
     toks = model.tokenize(TEXT)
     model.reset()
-    ref = model.eval(toks, 3).copy()
+    ref = model.seqs[0].eval(toks, 3).copy()
     calls = model.usage.tokens
-    same = model.eval(toks, 3)  # only the last 3 positions are re-decoded
+    same = model.seqs[0].eval(toks, 3)  # only the last 3 positions are re-decoded
     assert model.usage.tokens - calls == 3
     assert np.abs(same - ref).max() < 1e-4
     other = toks[:8] + [40, 41, 42]
-    got = model.eval(other, 1).copy()
+    got = model.seqs[0].eval(other, 1).copy()
     model.reset()
-    fresh = model.eval(other, 1)
-    assert np.abs(got - fresh).max() < 1e-4 and model.tokens == other
+    fresh = model.seqs[0].eval(other, 1)
+    assert np.abs(got - fresh).max() < 1e-4 and model.seqs[0].tokens == other
+
+
+def test_decode_observers_see_each_decode_on_the_context_it_extended(model):
+    """Tools time decodes through `observers` instead of patching the adapter: one call per
+    llama_decode, with the sequence still at the length it was decoded on."""
+    toks = model.tokenize(TEXT)
+    model.reset()
+    model.seqs[0].eval(toks[:5], 1)
+    heard = []
+    model.observers.append(lambda parts, s: heard.append((len(parts[0][0].tokens), [len(c) for _, c, _ in parts], s)))
+    try:
+        model.seqs[0].eval(toks[:9], 2)
+        model.seqs[0].eval(toks[:9] + [40], 1)
+    finally:
+        model.observers.clear()
+    assert [(n, sizes) for n, sizes, _ in heard] == [(5, [4]), (9, [1])]
+    assert all(s > 0 for _, _, s in heard)
 
 
 def test_logits_are_views_until_the_next_decode(model):
@@ -86,17 +103,17 @@ def test_logits_are_views_until_the_next_decode(model):
 
     toks = model.tokenize(TEXT)
     model.reset()
-    row = model.eval(toks, 1)
+    row = model.seqs[0].eval(toks, 1)
     saved = row.copy()
     assert not row.flags.writeable
-    model.decode([int(saved[0].argmax())])
+    model.seqs[0].decode([int(saved[0].argmax())])
     assert not np.array_equal(row, saved)  # the hazard is real
     model.reset()
     got = ModelDrafter(ScoredModel(model)).propose(toks, 6, SamplingParams(), None, SpecParams(n_draft=6)).tokens
     model.reset()
     ctx, want = list(toks), []
     for _ in range(6):
-        want.append(int(model.eval(ctx, 1)[0].copy().argmax()))
+        want.append(int(model.seqs[0].eval(ctx, 1)[0].copy().argmax()))
         ctx.append(want[-1])
     assert got == want
 
@@ -128,11 +145,11 @@ def test_chat_template_from_gguf(model):
 
 def test_context_overflow(model):
     model.reset()
-    model.eval(model.tokenize(TEXT), 1)
-    held = list(model.tokens)
+    model.seqs[0].eval(model.tokenize(TEXT), 1)
+    held = list(model.seqs[0].tokens)
     with pytest.raises(ContextOverflowError):
-        model.decode(list(range(5, 5 + 300)), "last")
-    assert model.tokens == held
+        model.seqs[0].decode(list(range(5, 5 + 300)), "last")
+    assert model.seqs[0].tokens == held
 
 
 def test_a_decode_failing_after_writing_the_cache_rolls_it_back(tiny_target):
@@ -147,13 +164,13 @@ def test_a_decode_failing_after_writing_the_cache_rolls_it_back(tiny_target):
     with LlamaModel(tiny_target, replace(PARAMS, n_ubatch=8, n_threads=1)) as m:
         toks = m.tokenize(TEXT)
         more = list(range(40, 60))  # 20 tokens: ubatches of 8, 8 and 4
-        m.eval(toks, 1)
+        m.seqs[0].eval(toks, 1)
         nodes = []
         counting = llama_cpp.ggml_abort_callback(lambda _data: nodes.append(1) is not None)
         llama_cpp.llama_set_abort_callback(m._ctx, counting, None)
-        m.decode(more[:8], "none")  # one ubatch: how many graph nodes ask the callback
+        m.seqs[0].decode(more[:8], "none")  # one ubatch: how many graph nodes ask the callback
         per_ubatch = len(nodes)
-        m.truncate(len(toks))
+        m.seqs[0].truncate(len(toks))
         nodes.clear()
 
         def second_ubatch_aborts(_data) -> bool:
@@ -163,12 +180,12 @@ def test_a_decode_failing_after_writing_the_cache_rolls_it_back(tiny_target):
         aborting = llama_cpp.ggml_abort_callback(second_ubatch_aborts)
         llama_cpp.llama_set_abort_callback(m._ctx, aborting, None)
         with pytest.raises(RuntimeError, match="llama_decode failed"):
-            m.decode(more, "last")
-        assert len(nodes) == per_ubatch + 1 and m.tokens == toks
+            m.seqs[0].decode(more, "last")
+        assert len(nodes) == per_ubatch + 1 and m.seqs[0].tokens == toks
         llama_cpp.llama_set_abort_callback(m._ctx, ctypes.cast(None, llama_cpp.ggml_abort_callback), None)
-        after = m.eval(toks + [9, 10], 1).copy()
+        after = m.seqs[0].eval(toks + [9, 10], 1).copy()
         m.reset()
-        assert np.abs(after - m.eval(toks + [9, 10], 1)).max() < 1e-4
+        assert np.abs(after - m.seqs[0].eval(toks + [9, 10], 1)).max() < 1e-4
         # the cache holds no stray cells: the sequence's positions end where its tokens end
         assert llama_cpp.llama_memory_seq_pos_max(m._mem, 0) == len(toks) + 1
 
@@ -207,12 +224,12 @@ def test_decodes_from_many_threads_share_one_openmp_team(tiny_target):
     from any thread must run on one compute thread, so callers add no teams."""
     with LlamaModel(tiny_target, replace(PARAMS, n_threads=2)) as m:
         toks = m.tokenize(TEXT)
-        m.decode(toks[:4])
+        m.seqs[0].decode(toks[:4])
         before = _native_threads()
         decoded, release = threading.Barrier(4), threading.Event()
 
         def caller(i: int) -> None:
-            m.decode(toks[4 + i:5 + i])
+            m.seqs[0].decode(toks[4 + i:5 + i])
             decoded.wait()
             release.wait()  # alive while counted: a thread's team ends with the thread
 
@@ -224,5 +241,5 @@ def test_decodes_from_many_threads_share_one_openmp_team(tiny_target):
         release.set()
         for t in callers:
             t.join()
-        assert m.tokens[:4] == toks[:4] and sorted(m.tokens[4:]) == sorted(toks[4:7])  # in any order
+        assert m.seqs[0].tokens[:4] == toks[:4] and sorted(m.seqs[0].tokens[4:]) == sorted(toks[4:7])  # in any order
     assert after == before

@@ -179,7 +179,7 @@ def test_pull_checks_a_present_file_once(index, tmp_path, monkeypatch):
 
 
 def test_resumed_download_rate_counts_only_new_bytes(capsys):
-    bar = models.Progress("x", 10_000_000)
+    bar = models.ByteProgress("x", 10_000_000)
     bar.resume(9_000_000)  # already on disk from an earlier run
     bar.t0 -= 1.0          # one second into this run
     bar.update(1_000_000)

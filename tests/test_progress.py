@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 
 from via_edge import models
-from via_edge.bench.runner import Progress as RunProgress
+from via_edge.bench.runner import RunProgress
 from via_edge.progress import StatusLine
 
 
@@ -54,7 +54,7 @@ def test_quiet_writes_nothing():
 
 
 def test_download_bar_in_a_log_stays_short(capsys):
-    bar = models.Progress("file", 1_000_000)
+    bar = models.ByteProgress("file", 1_000_000)
     for _ in range(1000):  # 1000 blocks of 1 kB: once a line per block in a log
         bar.update(1000)
     bar.close()

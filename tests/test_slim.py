@@ -53,10 +53,10 @@ def test_prefix_slim_equals_target_hidden_state_through_head(tiny_llama, tmp_pat
     with LlamaModel(tiny_llama, LoadParams(**EXACT, capture=("l_out-1",))) as target, \
             LlamaModel(slim, PARAMS) as small:
         toks = target.tokenize("the slim verifier sees the same tokens", add_special=False)
-        target.decode(toks, "none")
+        target.seqs[0].decode(toks, "none")
         hidden = target.captured("l_out-1")
         expected = rms_norm(hidden, tensors["output_norm.weight"]) @ tensors["token_embd.weight"].T
-        got = small.decode(toks, "all")
+        got = small.seqs[0].decode(toks, "all")
         assert small.n_layer == 2
         assert np.abs(got - expected).max() < 1e-3 * np.abs(expected).max()
         assert (got.argmax(1) == expected.argmax(1)).all()
@@ -78,7 +78,7 @@ def test_middle_cut_slim_metadata_and_reuse(tiny_target, tmp_path):
     assert build_slim(tiny_target, "0,3", out) == path and path.stat().st_mtime_ns == mtime
     assert not list(tmp_path.glob("*.partial"))
     with LlamaModel(path, PARAMS) as m:
-        assert m.n_layer == 2 and np.isfinite(m.eval(m.tokenize("ok"), 1)).all()
+        assert m.n_layer == 2 and np.isfinite(m.seqs[0].eval(m.tokenize("ok"), 1)).all()
 
 
 def test_per_layer_metadata_arrays_are_sliced(tiny_target, tmp_path):
@@ -118,10 +118,10 @@ def test_kv_import_is_bit_identical_to_prefill(tiny_target, tmp_path, flash):
     with LlamaModel(tiny_target, params) as target, LlamaModel(slim_path, params) as a, \
             LlamaModel(slim_path, params) as b:
         toks = target.tokenize("import the prompt's KV instead of computing it twice", add_special=False)
-        target.prefill(toks[:-1])
-        a.set_seq_state(slice_seq_state(target.seq_state(), 2), target.tokens)
-        b.prefill(toks[:-1])
-        assert np.array_equal(a.eval(toks, 1), b.eval(toks, 1).copy())
+        target.seqs[0].prefill(toks[:-1])
+        a.seqs[0].set_state(slice_seq_state(target.seqs[0].state(), 2), target.seqs[0].tokens)
+        b.seqs[0].prefill(toks[:-1])
+        assert np.array_equal(a.seqs[0].eval(toks, 1), b.seqs[0].eval(toks, 1).copy())
 
 
 def test_incompatible_vocabularies_are_named(tiny_target, tiny_dir):
@@ -166,7 +166,7 @@ def test_f32_copy_of_a_quantized_model(tiny_q8, tmp_path):
     assert {t.tensor_type.name for t in open_reader(f32).tensors} == {"F32"}
     with LlamaModel(src, PARAMS) as q, LlamaModel(f32, PARAMS) as f:
         toks = q.tokenize("dequantized weights compute the same model")
-        assert (q.eval(toks, len(toks)).argmax(1) == f.eval(toks, len(toks)).argmax(1)).mean() > 0.8
+        assert (q.seqs[0].eval(toks, len(toks)).argmax(1) == f.seqs[0].eval(toks, len(toks)).argmax(1)).mean() > 0.8
 
 
 def test_slim_build_never_overwrites_an_unrelated_file(tiny_target, tmp_path):

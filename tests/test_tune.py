@@ -19,7 +19,7 @@ from via_edge.llama import LlamaModel, LoadParams
 from via_edge.scores import LogitRows
 from via_edge.slim import build_slim, format_layers
 from via_edge.tune.choose import best_per_mode, choose, frontier, grid, predict
-from via_edge.tune.profile import CostProfile, measure
+from via_edge.costs import CostProfile, measure
 from via_edge.tune.record import SlimTrace, Trace, capture_names, record, slim_traces
 from via_edge.tune.replay import MeteredKV, predicted_agreement, replay
 from via_edge.tune.search import Search
@@ -179,16 +179,16 @@ def test_never_slower_rule(draft_cost, expect_ar):
 def test_final_choice_needs_both_margins():
     """A mode measured fast on a few held-out prompts but predicted below the margin stays out."""
     from via_edge.tune.choose import Candidate
-    from via_edge.tune.tuner import _final_choice
+    from via_edge.tune.choose import final_choice
 
     best = {"ar": Candidate("ar", SpecParams()), "lookup": Candidate("lookup", SpecParams(n_draft=3), speedup=1.04),
             "sd": Candidate("sd", SpecParams(n_draft=3), speedup=1.20)}
     checks = {m: {"measured_speedup": v, "measured_agreement": 1.0} for m, v in
               (("ar", 1.0), ("lookup", 1.11), ("sd", 1.02))}
-    final, why = _final_choice(choose(best, best["ar"]), best, checks, 0.95, best["ar"])
+    final, why = final_choice(choose(best, best["ar"]), best, checks, 0.95, best["ar"])
     assert final.mode == "ar" and "chose ar" in why  # sd measured too slow, lookup predicted too slow
     checks["sd"]["measured_speedup"] = 1.08
-    assert _final_choice(choose(best, best["ar"]), best, checks, 0.95, best["ar"])[0].mode == "sd"
+    assert final_choice(choose(best, best["ar"]), best, checks, 0.95, best["ar"])[0].mode == "sd"
 
 
 def format_rows(agreements: dict[str, float], n1_ms: dict[str, float]):
@@ -220,8 +220,8 @@ def test_tune_choice_across_formats_needs_quality_and_margins():
     """A faster format's plain decoding is a legitimate choice, priced against ar on the shipped
     file; a format whose costs do not clear the margin leaves ar on the shipped file."""
     from via_edge.tune.choose import Candidate
-    from via_edge.tune.profile import CostProfile
-    from via_edge.tune.tuner import _final_choice
+    from via_edge.costs import CostProfile
+    from via_edge.tune.choose import final_choice
 
     base = Candidate("ar", SpecParams())
     traces = synthetic_traces(0.9)
@@ -235,9 +235,9 @@ def test_tune_choice_across_formats_needs_quality_and_margins():
         assert chosen.format == chosen_fmt
     # the real run must agree: the q4_0 ar measured only 3% faster falls back to the shipped file
     best = {"ar": Candidate("ar", SpecParams(), speedup=1.5, format="q4_0")}
-    assert _final_choice(best["ar"], best, {"ar": {"measured_speedup": 1.48, "measured_agreement": 0.9}},
+    assert final_choice(best["ar"], best, {"ar": {"measured_speedup": 1.48, "measured_agreement": 0.9}},
                          0.95, base)[0].format == "q4_0"
-    final, why = _final_choice(best["ar"], best, {"ar": {"measured_speedup": 1.03, "measured_agreement": 0.9}},
+    final, why = final_choice(best["ar"], best, {"ar": {"measured_speedup": 1.03, "measured_agreement": 0.9}},
                                0.95, base)
     assert final is base and "chose ar" in why
 
@@ -328,7 +328,7 @@ def test_a_choice_made_on_another_build_is_not_applied(model_dir, smollm2):
 
 def test_lookup_takes_ars_place_when_no_slower():
     from via_edge.tune.choose import Candidate
-    from via_edge.tune.tuner import _copy_drafting_over_ar
+    from via_edge.tune.choose import copy_drafting_over_ar
 
     ar = Candidate("ar", SpecParams(), None, 1.0, 10.0, 0.0, 1.0, {})
     look = Candidate("lookup", SpecParams(copy_max=16), None, 1.01, 10.1, 0.0, 1.0, {})
@@ -336,13 +336,13 @@ def test_lookup_takes_ars_place_when_no_slower():
 
     def checks(lookup_speed):
         return {"ar": {"measured_speedup": 1.0}, "lookup": {"measured_speedup": lookup_speed}}
-    assert _copy_drafting_over_ar(ar, "chose ar", best, checks(0.99), "shipped")[0] is look
-    assert _copy_drafting_over_ar(ar, "chose ar", best, checks(0.95), "shipped")[0] is ar  # measured slower
+    assert copy_drafting_over_ar(ar, "chose ar", best, checks(0.99), "shipped")[0] is look
+    assert copy_drafting_over_ar(ar, "chose ar", best, checks(0.95), "shipped")[0] is ar  # measured slower
     sd = Candidate("sd", SpecParams(), None, 1.3, 13.0, 0.0, 1.0, {})
-    assert _copy_drafting_over_ar(sd, "chose sd", {**best, "sd": sd}, checks(1.2), "shipped")[0] is sd
+    assert copy_drafting_over_ar(sd, "chose sd", {**best, "sd": sd}, checks(1.2), "shipped")[0] is sd
     # ar on another format than the checks were run on: nothing measured to compare with
     q4 = Candidate("ar", SpecParams(), None, 1.2, 12.0, 0.0, 1.0, {}, "q4_0")
-    assert _copy_drafting_over_ar(q4, "chose ar", best, checks(1.3), "shipped")[0] is q4
+    assert copy_drafting_over_ar(q4, "chose ar", best, checks(1.3), "shipped")[0] is q4
 
 
 def test_corrupt_choice_is_one_clear_error(model_dir, smollm2):
@@ -472,7 +472,7 @@ def test_replay_machinery_reproduces_sampled_runs(recorded, mode):
     roles = {"target": engine.target, "draft": engine.models.draft, "slim": engine.models.slim}
     for m in roles.values():
         m.reset()
-        m.prefill(prompt[:-1])
+        m.seqs[0].prefill(prompt[:-1])
     before = {r: replace(m.usage) for r, m in roles.items()}
     rec = {r: Recorder(ScoredModel(m)) for r, m in roles.items()}
     real = list(Decoder(rec["target"], ModelDrafter(rec["draft"]), rec["slim"], spec).generate(

@@ -57,7 +57,7 @@ def _decode(path: str, extra_bufts: bool, out: str) -> None:
     params = llama.LoadParams(n_ctx=128, n_threads=2, use_extra_bufts=extra_bufts)
     with llama.LlamaModel(path, params) as model:
         tokens = [(7 * i + 3) % 250 for i in range(PROMPT_TOKENS)]
-        rows = np.array(model.decode(tokens, "all"))
+        rows = np.array(model.seqs[0].decode(tokens, "all"))
     buffers = [line.split("model buffer size")[0].split(":")[-1].strip()
                for line in seen if "model buffer size" in line]
     np.save(out, rows)

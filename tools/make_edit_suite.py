@@ -14,6 +14,7 @@ first turn's answer greedily, then times the second).
 
 from __future__ import annotations
 
+import argparse
 import json
 import sysconfig
 from pathlib import Path
@@ -67,6 +68,7 @@ CHAT = {
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()  # no options: --help only
     lib = Path(sysconfig.get_paths()["stdlib"])
     rows = []
     for i, (module, kind, instruction, bug) in enumerate(EDITS, 1):

@@ -21,18 +21,13 @@ from collections import defaultdict
 
 from via_edge import Engine
 from via_edge.bench.suite import prompts_in_turn
-from via_edge.llama import LlamaModel
 
 _log: list[tuple[float, float, int, int]] = []  # (start, seconds, parts, tokens)
-_run = LlamaModel.run_batch
 
 
-def _timed_run(self, parts):
-    t0 = time.perf_counter()
-    try:
-        return _run(self, parts)
-    finally:
-        _log.append((t0, time.perf_counter() - t0, len(parts), sum(len(c) for _, c, _ in parts)))
+def _observe(parts, seconds: float) -> None:
+    """The adapter's decode observer: one entry per llama_decode."""
+    _log.append((time.perf_counter() - seconds, seconds, len(parts), sum(len(c) for _, c, _ in parts)))
 
 
 def _shape(parts: int, tokens: int) -> str:
@@ -57,7 +52,8 @@ def main() -> None:
     solo, batched = engine(1), engine(args.parallel)
     runs = [("1 slot", solo, False), (f"{args.parallel} slots", batched, True)]
     print("target:", solo.target.path, flush=True)
-    LlamaModel.run_batch = _timed_run
+    for e in (solo, batched):
+        e.target.observers.append(_observe)
     for e in (solo, batched):
         e.generate(prompts[0], max_tokens=2)
     rows: dict[tuple[int, str], tuple[float, list[str]]] = {}

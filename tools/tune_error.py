@@ -14,7 +14,7 @@ of ratios to `ar` on the same prompt, so that their product is the whole error:
   machine now against the machine while profiling);
 - python: wall time of the generation against its decode seconds (the loop's own work).
 
-Every model call is timed by wrapping `LlamaModel._run` (the one place a batch is decoded);
+Every model call is timed by the adapter's decode observer (`LlamaModel.observers`);
 calls that only fill the prompt are left out, as the replay and the tok/s figures leave them out.
 The profile, the configurations and the held-out prompts are the tune run's (`tune.json`).
 """
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from via_edge import models as catalog
 from via_edge.bench.metrics import geomean
 from via_edge.spec import SpecParams
 from via_edge.drafters import CopyDrafter, CopyPolicy
-from via_edge.tune.profile import CostProfile
+from via_edge.costs import CostProfile
 from via_edge.tune.record import calibration_prompts, record, slim_traces
 from via_edge.tune.replay import replay
 
@@ -40,16 +39,10 @@ FACTORS = ("prompts", "path", "prices", "python")
 
 
 def instrument(model, role: str, calls: list) -> None:
-    """Log (role, tokens, context, seconds) of every decode of `model`."""
-    run = model._run
-
-    def timed(parts):
-        n, ctx = sum(len(c) for _, c, _ in parts), len(parts[0][0].tokens)
-        t0 = time.perf_counter()
-        out = run(parts)
-        calls.append((role, n, ctx, time.perf_counter() - t0))
-        return out
-    model._run = timed
+    """Log (role, tokens, context, seconds) of every decode of `model` (the adapter's observer)."""
+    def observe(parts, seconds: float) -> None:
+        calls.append((role, sum(len(c) for _, c, _ in parts), len(parts[0][0].tokens), seconds))
+    model.observers.append(observe)
 
 
 def main() -> None:

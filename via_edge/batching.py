@@ -9,9 +9,8 @@ holding every pending part, at most n_batch tokens; a long prompt continues in t
 beside the running generations' next tokens. Each call then returns its own rows.
 
 Whichever thread decodes, llama.cpp's work itself always runs on the adapter's one compute
-thread (llama.py, `_ComputeThread`: a second OpenMP team makes every barrier sleep; measured here
-before that thread existed: a 4-sequence step cost 371 ms with the callers taking turns, 190 ms
-in one thread).
+thread (llama/runtime.py, `_ComputeThread`: a second OpenMP team makes every barrier sleep;
+docs/benchmarks.md section 21).
 
 The decoding policy (decoding.Decoder) does not change: it still makes one call at a time, so
 every mode batches, drafts and slim checks included.
@@ -26,7 +25,6 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import ContextOverflowError
 from .llama import LlamaModel, Seq, row_indices
 
 DEFAULT_PARALLEL = 4  # the server's slots: measured in docs/benchmarks.md section 17
@@ -92,9 +90,7 @@ class Scheduler:
             self._cv.notify_all()
 
     def call(self, seq: Seq, tokens: Sequence[int], rows: list[int]) -> np.ndarray:
-        if seq.n_past + len(tokens) > seq.n_ctx:
-            raise ContextOverflowError(f"context window full: {seq.n_past} + {len(tokens)} tokens exceed "
-                                       f"n_ctx={seq.n_ctx}")
+        seq.check_room(len(tokens))
         call = _Call(seq, tokens, rows)
         with self._cv:
             if self._closed:

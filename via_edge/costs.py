@@ -1,20 +1,27 @@
-"""What one target verification costs by batch size on this machine: the price the copy policy
-(drafters.CopyPolicy) weighs draft length against.
+"""The cost model: what one `llama_decode` of n tokens at context length c costs on this machine,
+measured, and the one way it is read (`CostProfile.cost`, piecewise linear, extended beyond the
+measured sizes). The tuner profiles draft, target and slims with it (`measure`); the copy
+policy of `lookup` prices a verification of n tokens in single steps with `verify_cost`, live
+(`batch_cost`: measured once per model file, machine and thread count, kept next to the tuned
+choices) and in the tuner's replay alike, so both size copy drafts the same way.
 
-Measured once per model file, machine (CPU and llama.cpp build) and thread count, with the cost
-profile's own interleaved timing (tune/profile.py), and kept next to the tuned choices, so a
-first `lookup` run pays a few seconds and later ones nothing. Where the model directory is not
-writable the figures are kept for the process only.
+A profile is measured interleaved (every model at every point before the next repeat, in rotated
+order) so that noise on this shared machine hits all models alike; medians are kept. A slim's
+cost depends on how many blocks it keeps, not which, so slims of any size are priced by
+interpolating, per (n, c), between the measured block counts and the target; `fit_error` says
+how well that holds.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import replace
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
 from importlib.resources import files
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -24,15 +31,137 @@ from .llama import LlamaModel
 from .machine import machine_key
 from .models import model_dir, sha256_cached
 
-BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 33)  # 33: a 32-token draft and the target's own token
-CONTEXT = 256
+Cost = Callable[[str, int, int], float]  # (model, tokens, context) -> seconds of one call
+VERIFY_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 33)  # 33: a 32-token draft and the target's own token
+VERIFY_CONTEXT = 256
 log = logging.getLogger("via_edge.costs")
+PROFILE_BATCHES = tuple(range(1, 17))  # the tuner's cost profile: every size a draft of up to 16 takes
+PROFILE_CONTEXTS = (64, 384, 1024)
+
+
+@dataclass
+class CostProfile:
+    """Median seconds per decode call: table[model][ci][bi] for contexts[ci] and batches[bi]."""
+
+    batches: list[int]
+    contexts: list[int]
+    table: dict[str, list[list[float]]]
+    blocks: dict[str, int]           # blocks of each measured model ("target", "draft", "slim-K")
+    meta: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "CostProfile":
+        return cls(list(data["batches"]), list(data["contexts"]), dict(data["table"]), dict(data["blocks"]),
+                   dict(data.get("meta", {})))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def scaled(self, ratios: Mapping[int, float]) -> Callable[[str, int, int], float]:
+        """Costs of the same models in another weight format: every target-derived call (target,
+        slims) times that format's measured cost ratio to the shipped file at this batch size
+        (interpolated between the measured sizes, held beyond them); the draft's cost as is (it
+        was profiled in its own chosen format)."""
+        ns = sorted(ratios)
+        ys = [ratios[n] for n in ns]
+
+        def cost(model: str, n: int, ctx: int) -> float:
+            base = self.cost(model, n, ctx)
+            return base if model == "draft" else base * float(np.interp(n, ns, ys))
+        return cost
+
+    def cost(self, model: str, n: int, ctx: int) -> float:
+        """Seconds for one call of `model` ("target", "draft" or "slim-K" for a K-block slim)."""
+        if model.startswith("slim-") and model not in self.table:
+            return self.slim_cost(int(model[5:]), n, ctx)
+        return _bilinear(np.asarray(self.table[model]), self.contexts, self.batches, ctx, n)
+
+    def slim_cost(self, blocks: int, n: int, ctx: int) -> float:
+        """A K-block slim, interpolated between measured slims and the target by block count."""
+        points = sorted((b, m) for m, b in self.blocks.items() if m.startswith("slim-") or m == "target")
+        xs = [b for b, _ in points]
+        ys = [self.cost(m, n, ctx) for _, m in points]
+        return float(_interp_extrap(blocks, xs, ys))
+
+    def fit_error(self) -> dict:
+        """Relative error (median and worst point) of predicting each measured slim from the other
+        measured models by block count: how far the per-block interpolation can be trusted."""
+        slims = [m for m in self.table if m.startswith("slim-")]
+        if not slims:
+            return {"median": float("nan"), "max": float("nan")}
+        errors = []
+        for m in slims:
+            rest = CostProfile(self.batches, self.contexts, {k: v for k, v in self.table.items() if k != m},
+                               {k: v for k, v in self.blocks.items() if k != m})
+            for ci, c in enumerate(self.contexts):
+                for bi, n in enumerate(self.batches):
+                    actual = self.table[m][ci][bi]
+                    errors.append(abs(rest.slim_cost(self.blocks[m], n, c) - actual) / actual)
+        return {"median": statistics.median(errors), "max": max(errors)}
+
+
+def _interp_extrap(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Piecewise-linear, extended linearly beyond both ends (costs keep growing with size)."""
+    if len(xs) == 1:
+        return ys[0]
+    if x <= xs[0]:
+        i = 0
+    elif x >= xs[-1]:
+        i = len(xs) - 2
+    else:
+        i = int(np.searchsorted(xs, x)) - 1
+    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def _bilinear(table: np.ndarray, contexts: Sequence[int], batches: Sequence[int], ctx: int, n: int) -> float:
+    by_ctx = [_interp_extrap(n, batches, row) for row in table]
+    return _interp_extrap(ctx, contexts, by_ctx)
+
+
+def measure(models: Mapping[str, LlamaModel], fill: Sequence[int], *, batches: Sequence[int] = PROFILE_BATCHES,
+            contexts: Sequence[int] = PROFILE_CONTEXTS, repeats: int = 3,
+            progress: Callable[[int, int], None] | None = None) -> CostProfile:
+    """Time every model at every (context, batch) point, interleaved and repeated; keep medians.
+
+    `fill` supplies real tokens for the context (at least max(contexts) + max(batches)). Each
+    point rolls the cache back to c tokens and decodes n more, asking for all n rows as a
+    verification does.
+    """
+    top = max(contexts) + max(batches)
+    if len(fill) < top:
+        fill = (list(fill) * (top // max(1, len(fill)) + 1))[:top]
+    names = list(models)
+    samples: dict[tuple[str, int, int], list[float]] = {}
+    total, done = repeats * len(contexts) * len(batches) * len(names), 0
+    for rep in range(repeats):
+        for ci, c in enumerate(contexts):
+            for bi, n in enumerate(batches):
+                k = (rep + ci + bi) % len(names)
+                for name in names[k:] + names[:k]:
+                    m = models[name]
+                    m.seqs[0].prefill(fill[:c])  # rolls back, or refills after a shorter context (untimed)
+                    t0 = time.perf_counter()
+                    m.seqs[0].decode(fill[c:c + n], "all")
+                    samples.setdefault((name, ci, bi), []).append(time.perf_counter() - t0)
+                    done += 1
+                if progress:
+                    progress(done, total)
+    table = {name: [[statistics.median(samples[(name, ci, bi)]) for bi in range(len(batches))]
+                    for ci in range(len(contexts))] for name in names}
+    return CostProfile(list(batches), list(contexts), table, {name: models[name].n_layer for name in names})
+
+
+def verify_cost(cost: Cost, ctx: int) -> Callable[[int], float]:
+    """A target verification of n tokens in single decoding steps (1 at n = 1), at context `ctx`:
+    the price `drafters.CopyPolicy` weighs draft lengths against."""
+    return lambda n: cost("target", n, ctx) / cost("target", 1, ctx)
 
 
 def _points(model: LlamaModel) -> tuple[list[int], int]:
-    """The batch sizes and context measured: as many of BATCHES and CONTEXT as the window holds."""
-    batches = [n for n in BATCHES if 2 * n <= model.n_ctx] or [1]
-    return batches, max(0, min(CONTEXT, model.n_ctx - batches[-1]))
+    """The batch sizes and context measured: as many of VERIFY_BATCHES and VERIFY_CONTEXT as the window holds."""
+    batches = [n for n in VERIFY_BATCHES if 2 * n <= model.n_ctx] or [1]
+    return batches, max(0, min(VERIFY_CONTEXT, model.n_ctx - batches[-1]))
 
 
 def _path(model: LlamaModel) -> Path:
@@ -42,16 +171,14 @@ def _path(model: LlamaModel) -> Path:
                                     f"--t{threads}--n{batches[-1]}c{context}.json")
 
 
-def measure(model: LlamaModel, repeats: int = 3) -> dict[int, float]:
-    """Median seconds of one decode of n tokens after CONTEXT tokens, for n in BATCHES (as many
-    of both as a small context window holds)."""
-    from .tune.profile import measure as profile
-
+def measure_verification(model: LlamaModel, repeats: int = 3) -> dict[int, float]:
+    """Median seconds of one decode of n tokens after VERIFY_CONTEXT tokens, for n in
+    VERIFY_BATCHES (as many of both as a small context window holds)."""
     text = (files("via_edge") / "data" / "perplexity" / "textwrap.py.txt").read_text()
     fill = model.tokenize(text, add_special=False)
     batches, context = _points(model)
     before = (replace(model.usage), [replace(s.usage) for s in model.seqs])
-    table = profile({"target": model}, fill, batches=batches, contexts=(context,), repeats=repeats)
+    table = measure({"target": model}, fill, batches=batches, contexts=(context,), repeats=repeats)
     model.reset()
     model.usage = before[0]  # the measurement is no one's generation: it counts in no statistics
     for seq, usage in zip(model.seqs, before[1]):
@@ -60,24 +187,19 @@ def measure(model: LlamaModel, repeats: int = 3) -> dict[int, float]:
 
 
 def batch_cost(model: LlamaModel) -> Callable[[int], float]:
-    """cost(n): one verification of n tokens in single decoding steps (cost(1) == 1), from the
-    stored measurement of this model here, measuring it first if there is none."""
+    """`verify_cost` of this model here, from its stored measurement, measuring it first if there
+    is none."""
     path = _path(model)
     try:
         seconds = {int(n): float(s) for n, s in json.loads(path.read_text())["seconds"].items()}
     except (OSError, ValueError, KeyError):
-        seconds = measure(model)
+        seconds = measure_verification(model)
         try:
             write_json(path, {"model": model.path.name, "context": _points(model)[1],
                               "seconds": {str(n): s for n, s in seconds.items()}})
         except (OSError, ViaEdgeError) as exc:
             log.info("batch costs not stored (%s); measured again next time", exc)
     ns = sorted(seconds)
-    rel = [seconds[n] / seconds[1] for n in ns]
-    slope = (rel[-1] - rel[-2]) / (ns[-1] - ns[-2]) if len(ns) > 1 else 1.0
-
-    def cost(n: int) -> float:
-        if n > ns[-1]:
-            return rel[-1] + slope * (n - ns[-1])
-        return float(np.interp(n, ns, rel))
-    return cost
+    context = _points(model)[1]
+    profile = CostProfile(ns, [context], {"target": [[seconds[n] for n in ns]]}, {"target": model.n_layer})
+    return verify_cost(profile.cost, context)

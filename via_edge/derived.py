@@ -25,7 +25,7 @@ class Derived:
     size: int
 
 
-def describe(path: Path) -> Derived | None:
+def identify(path: Path) -> Derived | None:
     """What `path` is, when via-edge made it (from its own metadata, or the F32 copy's name). A
     slim keeps its source's metadata, a format's included, so it is asked first."""
     try:
@@ -49,7 +49,7 @@ def derived_files() -> list[Derived]:
     found = []
     for folder in sorted(folders):
         for path in sorted(folder.glob("*.gguf")):
-            d = describe(path)
+            d = identify(path)
             if d is not None:
                 found.append(d)
     return found

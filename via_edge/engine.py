@@ -134,7 +134,7 @@ class Engine:
     @property
     def weight_format(self) -> str:
         """The target's format: a derived recipe (formats.py) or the file's own quantization."""
-        return formats.describe(self.target_path)
+        return formats.format_name(self.target_path)
 
     @property
     def target(self) -> LlamaModel:

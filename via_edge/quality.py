@@ -50,7 +50,7 @@ def greedy_continuations(model: LlamaModel, prompts: Sequence[list[int]], n: int
     out = []
     for prompt in prompts:
         model.reset()
-        model.prefill(prompt[:-1])
+        model.seqs[0].prefill(prompt[:-1])
         out.append([c.token for c in decoder.generate(prompt, "ar", SamplingParams(), n, Stats())])
     return out
 
@@ -73,11 +73,11 @@ def compare(source: LlamaModel, variants: Mapping[str, LlamaModel], prompts: Seq
             continue
         ctx = list(prompt) + list(cont[:-1])
         source.reset()
-        ls = _log_softmax(np.array(source.eval(ctx, len(cont)), dtype=np.float32))
+        ls = _log_softmax(np.array(source.seqs[0].eval(ctx, len(cont)), dtype=np.float32))
         top, ps = ls.argmax(1), np.exp(ls)
         for name, v in variants.items():
             v.reset()
-            lv = _log_softmax(np.array(v.eval(ctx, len(cont)), dtype=np.float32))
+            lv = _log_softmax(np.array(v.seqs[0].eval(ctx, len(cont)), dtype=np.float32))
             agree[name] += int((lv.argmax(1) == top).sum())
             kl[name] += float((ps * (ls - lv)).sum())
         positions += len(cont)
@@ -95,7 +95,7 @@ def perplexity(model: LlamaModel, tokens: Sequence[int]) -> float:
     nll, count = 0.0, 0
     for start in range(1, len(tokens), WINDOW):
         end = min(start + WINDOW, len(tokens))
-        rows = _log_softmax(np.array(model.eval(tokens[:end - 1], end - start), dtype=np.float32))
+        rows = _log_softmax(np.array(model.seqs[0].eval(tokens[:end - 1], end - start), dtype=np.float32))
         nll -= float(rows[np.arange(end - start), tokens[start:end]].sum())
         count += end - start
     return float(np.exp(nll / max(count, 1)))

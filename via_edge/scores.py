@@ -39,7 +39,7 @@ class Scorer(Protocol):
 
 
 class Decodes(Protocol):
-    """What decodes a sequence: LlamaModel (sequence 0), llama.Seq or batching.BatchedSeq."""
+    """What decodes a sequence: llama.Seq, or batching.BatchedSeq when slots share the model."""
 
     n_ctx: int
     tokens: list[int]
@@ -96,13 +96,13 @@ def token_logprobs(row: np.ndarray, token: int, n: int) -> TokenLogprobs:
 class ScoredModel:
     """A `LlamaModel` behind the `Scorer` interface, with end-of-generation looked up once per token.
 
-    Decodes go through `seq`: the model itself (its sequence 0), one of its `Seq`s, or a
+    Decodes go through `seq`: one of the model's `Seq`s (default: the first), or a
     `batching.BatchedSeq` when concurrent generations share the model.
     """
 
     def __init__(self, model: LlamaModel, seq: "Decodes | None" = None) -> None:
         self.model = model
-        self.seq = seq if seq is not None else model
+        self.seq = seq if seq is not None else model.seqs[0]
         self.n_ctx = self.seq.n_ctx
         self._eog: dict[int, bool] = {}
 

@@ -2,22 +2,10 @@
 
 from __future__ import annotations
 
+from .llama.usage import ModelUsage
 from dataclasses import asdict, dataclass, field, fields
 
 from .modes import COPY, DRAFT, SLIM, Origin, Tier
-
-
-@dataclass
-class ModelUsage:
-    """llama_decode calls, tokens decoded (catch-up and drafts included) and their wall time."""
-
-    calls: int = 0
-    tokens: int = 0
-    seconds: float = 0.0
-
-    def since(self, before: "ModelUsage") -> "ModelUsage":
-        return ModelUsage(self.calls - before.calls, self.tokens - before.tokens,
-                          self.seconds - before.seconds)
 
 
 @dataclass

@@ -70,7 +70,7 @@ class BenchConfig:
             raise InvalidParameterError("--max-tokens must be at least 1")
 
 
-class Progress:
+class RunProgress:
     """Runs done out of the total, with the time left, as one status line on stderr."""
 
     def __init__(self, total: int, quiet: bool) -> None:
@@ -162,7 +162,7 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
             results["summary"] = summarize(results)
             return results
 
-        bar = Progress(len(prompts) * len(methods), quiet)
+        bar = RunProgress(len(prompts) * len(methods), quiet)
         runs: list[dict] = []
         done = 0  # prompts every method has run on: a partial result compares only those
         try:

@@ -1,7 +1,7 @@
 """One loaded GGUF with one context: load parameters, the vocabulary, and batched decodes.
 
-The context holds one or more KV sequences (`Seq`, one per server slot); the model's own
-decode/eval methods work on sequence 0. `decode_batch` carries several sequences' tokens in one
+The context holds one or more KV sequences (`seqs`, one `Seq` per server slot), which decode and
+keep their own token bookkeeping; `decode_batch` carries several sequences' tokens in one
 llama_decode (the scheduler's continuous batching).
 
 Logits come back as read-only numpy views onto llama.cpp's output buffer (no copy of the
@@ -23,15 +23,14 @@ import numpy as np
 
 from ..errors import ContextOverflowError, InvalidParameterError, ModelFileError, RemoteDeviceError
 from ..gguf_info import read_info
-from ..stats import ModelUsage
 from . import rpc
 from .capture import Capture
 from .grammar import GrammarState
 from .runtime import backend_init, default_threads, extra_bufts_default, lib, on_compute_thread
-from .sequence import Seq
+from .sequence import Part, Seq
+from .usage import ModelUsage
 
 MAX_SEQ = 64  # sequences per context we accept (llama.cpp's own limit is higher)
-RPC_TIMEOUT = 60.0  # seconds a decode with RPC devices may take before its server counts as gone
 _KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}  # ggml_type values
 
 # What makes a multi-token batch compute exactly what single-token decodes compute (see LoadParams
@@ -83,7 +82,7 @@ class LlamaModel:
         self._model = None
         self._ctx = None
         self._batch = None
-        self._remote: _RemoteSplit | None = None
+        self._remote: rpc.RemoteSplit | None = None
         self.path = Path(path)
         n_block = read_info(self.path).block_count  # clear errors for missing, foreign and truncated files
         backend_init()
@@ -93,7 +92,7 @@ class LlamaModel:
         mp = lc.llama_model_default_params()
         mp.n_gpu_layers = params.n_gpu_layers
         mp.use_extra_bufts = params.resolved_extra_bufts()
-        self._remote = _RemoteSplit(params, n_block) if params.rpc else None
+        self._remote = rpc.RemoteSplit(params.rpc, params.tensor_split, n_block) if params.rpc else None
         if self._remote is not None:
             self._remote.apply(mp)
         if progress is not None:
@@ -155,6 +154,9 @@ class LlamaModel:
         self.lock = threading.Lock()  # one llama.cpp call on this context at a time
         self.seqs = [Seq(self, i, self.n_ctx) for i in range(params.n_seq)]
         self.usage = ModelUsage()  # every decode, whichever sequences it carried
+        # called after every decode with its parts and seconds, before the sequences take the tokens
+        # in (len(seq.tokens) is the context it was decoded on): how tools time decodes
+        self.observers: list[Callable[[Sequence[Part], float], None]] = []
 
     # ---- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -246,43 +248,13 @@ class LlamaModel:
         raw = lib().llama_model_chat_template(self._model, None)
         return raw.decode("utf-8") if raw else None
 
-    # ---- decoding (sequence 0; other sequences through `seqs`) ---------------------------------
-    @property
-    def tokens(self) -> list[int]:
-        return self.seqs[0].tokens
-
-    @tokens.setter
-    def tokens(self, value: list[int]) -> None:
-        self.seqs[0].tokens = value
-
-    @property
-    def n_past(self) -> int:
-        return len(self.seqs[0].tokens)
-
-    def truncate(self, n: int) -> None:
-        self.seqs[0].truncate(n)
-
+    # ---- decoding (through `seqs`) ------------------------------------------------------------
     def reset(self) -> None:
         """Empty every sequence's KV cache."""
         with self.lock:
             lib().llama_memory_clear(self._mem, True)
             for seq in self.seqs:
                 seq.tokens.clear()
-
-    def decode(self, tokens: Sequence[int], rows: Sequence[int] | str = "last") -> np.ndarray:
-        return self.seqs[0].decode(tokens, rows)
-
-    def prefill(self, tokens: Sequence[int]) -> None:
-        self.seqs[0].prefill(tokens)
-
-    def eval(self, tokens: Sequence[int], n_rows: int = 1) -> np.ndarray:
-        return self.seqs[0].eval(tokens, n_rows)
-
-    def seq_state(self) -> bytes:
-        return self.seqs[0].state()
-
-    def set_seq_state(self, data: bytes, tokens: Sequence[int]) -> None:
-        self.seqs[0].set_state(data, tokens)
 
     def decode_batch(self, parts: Sequence[tuple[Seq, Sequence[int], Sequence[int]]]) -> list[np.ndarray]:
         """One llama_decode of several sequences' tokens: `parts` are (sequence, tokens appended at
@@ -295,15 +267,15 @@ class LlamaModel:
         if not 0 < total <= self.n_batch:
             raise ValueError(f"a batch holds 1..{self.n_batch} tokens, got {total}")
         for seq, toks, _ in parts:
-            if seq.n_past + len(toks) > seq.n_ctx:
-                raise ContextOverflowError(f"context window full: {seq.n_past} + {len(toks)} tokens exceed "
-                                           f"the sequence's n_ctx={seq.n_ctx}")
+            seq.check_room(len(toks))
         # in ascending sequence order: llama.cpp splits a batch of unordered sequences into one
         # ubatch per sequence (measured: 4 sequences x 1 token 172 ms in order, 277-350 ms shuffled)
         order = sorted(range(len(parts)), key=lambda i: parts[i][0].id)
         out: list[np.ndarray] = [None] * len(parts)  # type: ignore[list-item]
         with self.lock:
-            logits = self.run_batch([parts[i] for i in order])
+            logits, seconds = self.run_batch([parts[i] for i in order])
+            for seq, toks, _ in parts:
+                seq.commit(toks, seconds)
             at = 0
             for i in order:
                 n = len(parts[i][2])
@@ -311,8 +283,9 @@ class LlamaModel:
                 at += n
         return out
 
-    def run_batch(self, parts: Sequence[tuple[Seq, Sequence[int], Sequence[int]]]) -> np.ndarray:
-        """Fill the batch, decode, account; logits rows in batch order (a view). Caller holds the lock."""
+    def run_batch(self, parts: Sequence[Part]) -> tuple[np.ndarray, float]:
+        """Fill the batch, decode: the logits rows in batch order (a view) and the decode's seconds.
+        The caller holds the lock and commits each part to its sequence (`Seq.commit`)."""
         if self._batch is None:
             raise RuntimeError(f"{self.path.name} is closed")
         lc = lib()
@@ -347,17 +320,14 @@ class LlamaModel:
             if rc == 1:
                 raise ContextOverflowError(f"no KV cache slot for {i} tokens")
             raise RuntimeError(f"llama_decode failed with code {rc}")
-        for seq, chunk, _ in parts:
-            seq.tokens.extend(chunk)
-            seq.usage.calls += 1
-            seq.usage.tokens += len(chunk)
-            seq.usage.seconds += dt
+        for observe in self.observers:
+            observe(parts, dt)
         if not n_rows:
-            return np.empty((0, self.n_vocab), dtype=np.float32)
+            return np.empty((0, self.n_vocab), dtype=np.float32), dt
         ptr = ctypes.cast(lc.llama_get_logits(self._ctx), self._logits_ptr_type)
         view = np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab))
         view.flags.writeable = False
-        return view
+        return view, dt
 
     # ---- KV cache of one sequence (the caller holds the lock) --------------------------------------
     def kv_remove(self, seq_id: int, start: int) -> None:
@@ -383,11 +353,11 @@ class LlamaModel:
             raise RemoteDeviceError(f"{self.path.name} has layers on an RPC server that failed ({rpc.failure()}); "
                                     "restart with the servers running")
         try:
-            return on_compute_thread(self._decode, batch, timeout=RPC_TIMEOUT)
+            return on_compute_thread(self._decode, batch, timeout=rpc.RPC_TIMEOUT)
         except TimeoutError:
-            rpc.fail(f"no answer within {RPC_TIMEOUT:g} s")
+            rpc.fail(f"no answer within {rpc.RPC_TIMEOUT:g} s")
             raise RemoteDeviceError(f"an RPC server holding layers of {self.path.name} did not answer within "
-                                    f"{RPC_TIMEOUT:g} s") from None
+                                    f"{rpc.RPC_TIMEOUT:g} s") from None
 
     def _decode(self, batch) -> tuple[int, float]:
         """llama_decode on the compute thread: its return code and seconds."""
@@ -402,39 +372,3 @@ class LlamaModel:
         if self._capture is None:
             raise RuntimeError("load with LoadParams(capture=(...)) to read intermediate tensors")
         return self._capture.result(name, self.n_embd)
-
-
-
-class _RemoteSplit:
-    """Where the layers of a model with RPC servers go. llama.cpp offloads the last `n_gpu_layers`
-    blocks to the devices it is given and keeps the rest on this machine's CPU; the offloaded ones
-    are split among the devices by `tensor_split`. The shares (this machine's first) come from
-    `LoadParams.tensor_split`, or else from each side's free memory, llama.cpp's own default rule
-    with this machine counted as one more device. Draft and slim models never use it."""
-
-    def __init__(self, params: LoadParams, n_block: int) -> None:
-        rpc.catch_aborts()
-        # on the compute thread: should ggml abort while connecting, that call fails, not the caller's thread
-        try:
-            self.devices = on_compute_thread(rpc.devices, list(params.rpc), timeout=RPC_TIMEOUT)
-        except TimeoutError:
-            raise RemoteDeviceError(f"the RPC servers {', '.join(params.rpc)} did not answer within "
-                                    f"{RPC_TIMEOUT:g} s") from None
-        n = len(self.devices)
-        shares = list(params.tensor_split) or [rpc.free_memory(rpc.cpu_device())] + [rpc.free_memory(d)
-                                                                                   for d in self.devices]
-        if len(shares) != n + 1 or any(x < 0 for x in shares) or sum(shares) <= 0:
-            raise InvalidParameterError(f"--tensor-split takes {n + 1} shares >= 0, this machine's then one per RPC "
-                                        f"device, got {list(params.tensor_split)}", "tensor_split")
-        local = shares[0] / sum(shares)
-        # all blocks remote: the output layer too (n_gpu_layers past the block count)
-        self.n_remote = n_block + 1 if local == 0 else round(n_block * (1 - local))
-        self.shares = shares[1:]
-
-    def apply(self, mp) -> None:
-        lc = lib()
-        self._devices = (ctypes.c_void_p * (len(self.devices) + 1))(*self.devices, None)  # NULL-terminated
-        mp.devices = ctypes.cast(self._devices, ctypes.c_void_p)  # declared void* by the bindings
-        mp.n_gpu_layers = self.n_remote
-        self._split = (ctypes.c_float * lc.llama_max_devices())(*self.shares)
-        mp.tensor_split = ctypes.cast(self._split, ctypes.POINTER(ctypes.c_float))

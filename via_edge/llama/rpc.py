@@ -17,8 +17,10 @@ import threading
 from functools import lru_cache
 from pathlib import Path
 
-from ..errors import RemoteDeviceError
-from .runtime import abandon_compute, backend_init, lib
+from ..errors import InvalidParameterError, RemoteDeviceError
+from .runtime import abandon_compute, backend_init, lib, on_compute_thread
+
+RPC_TIMEOUT = 60.0  # seconds a decode with RPC devices may take before its server counts as gone
 
 DEFAULT_PORT = 50052
 RPC_HELLO = 14          # RPC_CMD_HELLO in ggml-rpc.cpp
@@ -187,3 +189,38 @@ def failure() -> str | None:
 def fail(reason: str) -> None:
     """Mark the RPC devices failed (a decode timed out: its server may never answer)."""
     _failures.append(reason)
+
+
+class RemoteSplit:
+    """Where the layers of a model with RPC servers go. llama.cpp offloads the last `n_gpu_layers`
+    blocks to the devices it is given and keeps the rest on this machine's CPU; the offloaded ones
+    are split among the devices by `tensor_split`. The shares (this machine's first) come from
+    `LoadParams.tensor_split`, or else from each side's free memory, llama.cpp's own default rule
+    with this machine counted as one more device. Draft and slim models never use it."""
+
+    def __init__(self, endpoints: tuple[str, ...], tensor_split: tuple[float, ...], n_block: int) -> None:
+        catch_aborts()
+        # on the compute thread: should ggml abort while connecting, that call fails, not the caller's thread
+        try:
+            self.devices = on_compute_thread(devices, list(endpoints), timeout=RPC_TIMEOUT)
+        except TimeoutError:
+            raise RemoteDeviceError(f"the RPC servers {', '.join(endpoints)} did not answer within "
+                                    f"{RPC_TIMEOUT:g} s") from None
+        n = len(self.devices)
+        shares = list(tensor_split) or [free_memory(cpu_device())] + [free_memory(d)
+                                                                                   for d in self.devices]
+        if len(shares) != n + 1 or any(x < 0 for x in shares) or sum(shares) <= 0:
+            raise InvalidParameterError(f"--tensor-split takes {n + 1} shares >= 0, this machine's then one per RPC "
+                                        f"device, got {list(tensor_split)}", "tensor_split")
+        local = shares[0] / sum(shares)
+        # all blocks remote: the output layer too (n_gpu_layers past the block count)
+        self.n_remote = n_block + 1 if local == 0 else round(n_block * (1 - local))
+        self.shares = shares[1:]
+
+    def apply(self, mp) -> None:
+        lc = lib()
+        self._devices = (ctypes.c_void_p * (len(self.devices) + 1))(*self.devices, None)  # NULL-terminated
+        mp.devices = ctypes.cast(self._devices, ctypes.c_void_p)  # declared void* by the bindings
+        mp.n_gpu_layers = self.n_remote
+        self._split = (ctypes.c_float * lc.llama_max_devices())(*self.shares)
+        mp.tensor_split = ctypes.cast(self._split, ctypes.POINTER(ctypes.c_float))

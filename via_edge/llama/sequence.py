@@ -6,15 +6,27 @@ context and it decodes only what is new, rolling back whatever diverged.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import ContextManager, Protocol, Sequence
 
 import numpy as np
 
 from ..errors import ContextOverflowError
-from ..stats import ModelUsage
+from .usage import ModelUsage
 
-if TYPE_CHECKING:
-    from .model import LlamaModel
+Part = tuple["Seq", Sequence[int], Sequence[int]]  # (sequence, tokens at its next positions, rows wanted)
+
+
+class Context(Protocol):
+    """What a sequence needs of the llama.cpp context it lives in (llama.model.LlamaModel)."""
+
+    lock: ContextManager
+    n_batch: int
+    n_vocab: int
+
+    def run_batch(self, parts: Sequence[Part]) -> tuple[np.ndarray, float]: ...
+    def kv_remove(self, seq_id: int, start: int) -> None: ...
+    def kv_state(self, seq_id: int) -> bytes: ...
+    def kv_set_state(self, seq_id: int, data: bytes) -> None: ...
 
 
 class Seq:
@@ -26,7 +38,7 @@ class Seq:
     without re-prefilling each round.
     """
 
-    def __init__(self, model: LlamaModel, seq_id: int, n_ctx: int) -> None:
+    def __init__(self, model: Context, seq_id: int, n_ctx: int) -> None:
         self.model, self.id, self.n_ctx = model, seq_id, n_ctx
         self.tokens: list[int] = []
         self.usage = ModelUsage()
@@ -34,6 +46,19 @@ class Seq:
     @property
     def n_past(self) -> int:
         return len(self.tokens)
+
+    def check_room(self, n: int) -> None:
+        """The one "context window full" check: may `n` more tokens be decoded here?"""
+        if len(self.tokens) + n > self.n_ctx:
+            raise ContextOverflowError(f"context window full: {len(self.tokens)} + {n} tokens exceed the "
+                                       f"sequence's n_ctx={self.n_ctx}; raise n_ctx (--ctx)")
+
+    def commit(self, chunk: Sequence[int], seconds: float) -> None:
+        """The tokens a decode put into this sequence's cache, and its share of the work."""
+        self.tokens.extend(chunk)
+        self.usage.calls += 1
+        self.usage.tokens += len(chunk)
+        self.usage.seconds += seconds
 
     def truncate(self, n: int) -> None:
         """Roll this sequence's KV back so that it holds its first `n` tokens."""
@@ -55,10 +80,7 @@ class Seq:
         if n == 0:
             raise ValueError("decode needs at least one token")
         want = row_indices(rows, n)
-        if self.n_past + n > self.n_ctx:
-            raise ContextOverflowError(
-                f"context window full: {self.n_past} + {n} tokens exceed its {self.n_ctx}; raise n_ctx (--ctx)"
-            )
+        self.check_room(n)
         model = self.model
         out = None
         filled = 0
@@ -66,7 +88,8 @@ class Seq:
             chunk = tokens[start:start + model.n_batch]
             chunk_rows = [r - start for r in want if start <= r < start + len(chunk)]
             with model.lock:
-                view = model.run_batch(((self, chunk, chunk_rows),))
+                view, seconds = model.run_batch(((self, chunk, chunk_rows),))
+                self.commit(chunk, seconds)
             if chunk_rows and len(chunk_rows) == len(want):
                 return view
             if chunk_rows:

@@ -69,7 +69,7 @@ def record(target: LlamaModel, draft: LlamaModel | None, prompts: Sequence[list[
         out = greedy_continuations(target, [prompt], max_new)[0]
         if draft is not None:
             draft.reset()
-            dtop, dp = _rows_stats(draft.eval(prompt + out[:-1], len(out)))
+            dtop, dp = _rows_stats(draft.seqs[0].eval(prompt + out[:-1], len(out)))
         else:
             dtop, dp = np.full(len(out), -1), np.zeros(len(out))
         traces.append(Trace(list(prompt), np.array(out), dtop, dp))
@@ -87,7 +87,7 @@ def slim_traces(slim: LlamaModel, traces: Sequence[Trace], hidden: bool = False
     out, influence, weight = [], np.zeros(slim.n_layer), 0
     for tr in traces:
         slim.reset()
-        rows = slim.eval(tr.prompt + list(tr.target[:-1]), len(tr.target))
+        rows = slim.seqs[0].eval(tr.prompt + list(tr.target[:-1]), len(tr.target))
         top, ratio = _rows_stats(rows, tr.draft if tr.draft[0] >= 0 else tr.target)
         out.append(SlimTrace(top, ratio))
         if hidden:

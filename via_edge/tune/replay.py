@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
+from ..costs import Cost, verify_cost
 from ..decoding import Decoder
 from ..spec import SpecParams
 from ..drafters import CopyDrafter, CopyPolicy, ModelDrafter
@@ -36,7 +37,6 @@ from ..sampling import SamplingParams
 from ..stats import Stats
 from .record import SlimTrace, Trace
 
-Cost = Callable[[str, int, int], float]  # (model, batch tokens, context length) -> seconds
 GREEDY = SamplingParams()
 
 
@@ -199,8 +199,9 @@ def replay(trace: Trace, slim: SlimTrace | None, mode: str, spec: SpecParams, co
 
 
 def copy_policy(cost: Cost, ctx: int = 384) -> CopyPolicy:
-    """A copy policy pricing verifications with the target's row of the cost profile."""
-    return CopyPolicy(lambda n: cost("target", n, ctx) / cost("target", 1, ctx))
+    """A copy policy pricing verifications with the target's row of the cost profile, as the
+    engine's copy policy prices them with its measured batch costs (costs.verify_cost)."""
+    return CopyPolicy(verify_cost(cost, ctx))
 
 
 def predicted_agreement(error_rate: float, length: int) -> float:

@@ -20,7 +20,7 @@ from ..files import write_json
 from ..machine import build
 from ..models import model_dir, sha256_cached
 from ..quality import Quality, compare, greedy_continuations
-from . import profile as prof
+from .. import costs
 
 SURVEY_BATCHES = (1, 2, 4, 8, 16)  # 4 and 16: the repack kernels' row blocks
 SURVEY_CONTEXT = 384
@@ -86,7 +86,7 @@ def survey(sources: Mapping[str, Path], names: Sequence[str], prompts: Sequence[
             opened[f"{role}/{n}"] = LlamaModel(path, load)
         fill = [t for p in prompts for t in p]
         t0 = time.monotonic()
-        profile = prof.measure(opened, fill, batches=batches, contexts=(SURVEY_CONTEXT,), repeats=repeats)
+        profile = costs.measure(opened, fill, batches=batches, contexts=(SURVEY_CONTEXT,), repeats=repeats)
         log(f"costs of {len(opened)} models at n={','.join(map(str, batches))} in {time.monotonic() - t0:.0f}s")
     finally:
         for m in opened.values():

@@ -38,10 +38,11 @@ from ..machine import machine, machine_key, versions
 from ..slim import build_slim, format_layers, is_prefix
 from ..files import write_json
 from ..tuned import TunedConfig, load_choice, tuned_path
-from . import profile as prof
-from .choose import MEASURED_MARGIN, PREDICTED_MARGIN, Candidate, best_per_mode, choose, frontier, grid, predict
+from .. import costs
+from .choose import (Candidate, best_per_mode, choose, copy_drafting_over_ar, final_choice, frontier, grid,
+                     predict)
 from ..prompts import chat_tokens
-from .record import calibration_prompts, capture_names, record, slim_traces
+from .record import SlimTrace, Trace, calibration_prompts, capture_names, record, slim_traces
 from .search import Search
 from .survey import QUALITY_FLOOR, FormatRow, check_floor, pick, survey, table
 
@@ -58,8 +59,8 @@ class TuneConfig:
     heldout: int = 4               # held-out prompts for the real check
     verify_tokens: int = 48
     repeats: int = 2               # profile repeats (medians kept)
-    contexts: tuple[int, ...] = prof.CONTEXTS
-    batches: tuple[int, ...] = prof.BATCHES
+    contexts: tuple[int, ...] = costs.PROFILE_CONTEXTS
+    batches: tuple[int, ...] = costs.PROFILE_BATCHES
     n_ctx: int = 4096
     threads: int | None = None
     formats: tuple[str, ...] = field(default_factory=formats.default_formats)  # tried (shipped always)
@@ -79,8 +80,88 @@ class Log:
             sys.stderr.flush()
 
 
+@dataclass
+class Setup:
+    """What every stage works on: the pair's files, how models load, the prompts."""
+
+    name: str
+    target_path: Path
+    draft_path: Path
+    has_draft: bool
+    load: LoadParams
+    threads: int
+    calibration: list           # calibration prompts (bench.suite.Prompt)
+    heldout: list               # held-out prompts for the real check
+    cal_tokens: list[list[int]]
+    before: set[Path]           # derived files that existed before the run (not removed at the end)
+
+
+@dataclass
+class FormatSurvey:
+    rows: dict[str, list[FormatRow]]  # per role, the shipped file first
+    draft: FormatRow | None           # the draft's fastest passing format, used from here on
+    ratios: dict[str, dict[int, float]]  # per passing target format: its cost / the shipped file's, by batch size
+
+
+@dataclass
+class Recorded:
+    profile: costs.CostProfile
+    traces: list[Trace]
+    eog: list[int]
+    n_blocks: int
+    draft_agreement: float
+    seconds: dict[str, float]  # the profile's and the recording's
+
+
+@dataclass
+class SlimSearch:
+    budget: int                       # most blocks a slim may keep
+    scored: list[dict]                # every slim the search scored
+    traces: dict[str, list[SlimTrace]]  # per finalist (layers), its traces on every calibration prompt
+    model: dict[str, str]             # per finalist, its cost-profile name ("slim-K")
+    finalists: list[dict]
+
+
+@dataclass
+class Prediction:
+    cands: list[Candidate]            # every configuration on the shipped file
+    usable: list[Candidate]           # those with the chosen slim, on every passing format
+    baseline: Candidate               # ar on the shipped file
+    chosen: Candidate                 # the predicted choice
+    best: dict[str, Candidate]        # per mode on the chosen format: what the real run checks
+    below: dict[str, Candidate]       # lossy modes with nothing above the floor: their most faithful
+    slim_layers: str | None
+
+
 def tune(cfg: TuneConfig, quiet: bool = False) -> dict:
-    log = Log(quiet)
+    """Every stage in turn (the module's docstring); the choice is stored, the report returned."""
+    log, t_start, timings = Log(quiet), time.monotonic(), {}
+
+    def timed(stage: str, fn, *args):
+        t0 = time.monotonic()
+        out = fn(*args)
+        timings[stage] = time.monotonic() - t0
+        return out
+
+    setup = prepare(cfg)
+    fmts = timed("formats", survey_formats, cfg, setup, log)
+    rec = profile_and_record(cfg, setup, fmts, log)
+    timings.update(rec.seconds)
+    slims = timed("search", search_slims, cfg, setup, rec, log)
+    pred = timed("predict", predict_all, cfg, rec, slims, fmts, log)
+    fmt_path = formats.derive(setup.target_path, pred.chosen.format)
+    checks = timed("verify", verify, fmt_path, _draft_path(setup, fmts), {**pred.best, **pred.below},
+                   setup.heldout, cfg, setup.load, log,
+                   setup.target_path if pred.chosen.format != formats.SHIPPED else None)
+    final, why = final_choice(pred.chosen, pred.best, checks, cfg.fidelity_floor, pred.baseline)
+    final, why = copy_drafting_over_ar(final, why, pred.best, checks, pred.chosen.format)
+    log(why)
+    timings["total"] = time.monotonic() - t_start
+    return store(cfg, setup, fmts, rec, slims, pred, checks, final, why, timings, log)
+
+
+def prepare(cfg: TuneConfig) -> Setup:
+    """Every option checked, the pair's files fetched, the prompts chosen."""
     pair = catalog.pair(cfg.pair)
     name = pair["name"]
     if not 0 < cfg.fidelity_floor <= 1:
@@ -101,86 +182,89 @@ def tune(cfg: TuneConfig, quiet: bool = False) -> dict:
     draft_path = (catalog.resolve(pair["draft"], pull_missing=True) if pair.get("draft")
                   else build_slim(target_path, pair["draft_layers"]))
     before = {d.path for d in derived_files()}  # what this run makes and does not choose is removed
-    t_start = time.monotonic()
-    timings: dict[str, float] = {}
     if read_info(target_path).block_count < 2:
         raise InvalidParameterError(f"{target_path.name} has fewer than 2 blocks: there is no slim to search")
-
     cal = calibration_prompts(1)
     spare = calibration_prompts(1, skip=1)
     held = spare[:: max(1, len(spare) // cfg.heldout)][: cfg.heldout]  # spread over the categories
     with LlamaModel(target_path, load) as target:
         cal_tokens = [chat_tokens(target, [{"role": "user", "content": p.text}]) for p in cal]
+    return Setup(name, target_path, draft_path, bool(pair.get("draft")), load, threads, cal, held, cal_tokens, before)
 
-    # 0. weight formats ----------------------------------------------------------------------------
-    t0 = time.monotonic()
-    sources = {"target": target_path, **({"draft": draft_path} if pair.get("draft") else {})}
-    fmt_rows: dict[str, list[FormatRow]] = {}
+
+def survey_formats(cfg: TuneConfig, setup: Setup, log: Log) -> FormatSurvey:
+    """Weight-format variants of target and draft: their cost and quality against the shipped file."""
+    sources = {"target": setup.target_path, **({"draft": setup.draft_path} if setup.has_draft else {})}
+    rows: dict[str, list[FormatRow]] = {}
     if set(cfg.formats) - {formats.SHIPPED}:
         log(f"formats {', '.join(cfg.formats)} of {', '.join(sources)}: deriving (cached), quality, costs")
-        short = sorted(cal_tokens, key=len)[: cfg.search_prompts]  # quality on the shortest: prefill is slow here
-        fmt_rows = survey(sources, cfg.formats, short, load, continuation=cfg.calib_tokens, log=log)
-        for role, rows in fmt_rows.items():
+        short = sorted(setup.cal_tokens, key=len)[: cfg.search_prompts]  # quality on the shortest: prefill is slow
+        rows = survey(sources, cfg.formats, short, setup.load, continuation=cfg.calib_tokens, log=log)
+        for role, rs in rows.items():
             log(f"  {role}: " + "; ".join(f"{r.format} {r.cost[1] * 1e3:.0f} ms/token"
                                          + (f", agreement {r.quality.agreement:.3f}" if r.quality else "")
-                                         for r in rows))
-    draft_fmt = pick(fmt_rows["draft"], cfg.quality_floor) if "draft" in fmt_rows else None
-    if draft_fmt is not None:
-        draft_path = draft_fmt.path
-    # a passing target format's cost, per batch size, as a ratio to the shipped file's
-    shipped_row = fmt_rows["target"][0] if fmt_rows else None
-    ratios = {r.format: {n: r.cost[n] / shipped_row.cost[n] for n in r.cost}
-              for r in fmt_rows.get("target", [])[1:] if r.clears(cfg.quality_floor)}
-    timings["formats"] = time.monotonic() - t0
+                                         for r in rs))
+    draft = pick(rows["draft"], cfg.quality_floor) if "draft" in rows else None
+    shipped = rows["target"][0] if rows else None
+    ratios = {r.format: {n: r.cost[n] / shipped.cost[n] for n in r.cost}
+              for r in rows.get("target", [])[1:] if r.clears(cfg.quality_floor)}
+    return FormatSurvey(rows, draft, ratios)
 
-    with LlamaModel(target_path, load) as target, LlamaModel(draft_path, load) as draft:
+
+def _draft_path(setup: Setup, fmts: FormatSurvey) -> Path:
+    return fmts.draft.path if fmts.draft is not None else setup.draft_path
+
+
+def profile_and_record(cfg: TuneConfig, setup: Setup, fmts: FormatSurvey, log: Log) -> Recorded:
+    """The cost profile of draft, target and two prefix slims; the target's greedy output on the
+    calibration prompts, and the draft along it."""
+    load, t0 = setup.load, time.monotonic()
+    with LlamaModel(setup.target_path, load) as target, LlamaModel(_draft_path(setup, fmts), load) as draft:
         n_blocks = target.n_layer
         eog = [t for t in range(target.n_vocab) if target.is_eog(t)]
-
-        # 1. cost profile --------------------------------------------------------------------------
-        t0 = time.monotonic()
         sizes = sorted({max(1, round(n_blocks * f)) for f in (0.4, 0.7)} - {n_blocks})  # + target: 3 points
-        slim_files = {f"slim-{k}": build_slim(target_path, f"0-{k - 1}") for k in sizes}
+        slim_files = {f"slim-{k}": build_slim(setup.target_path, f"0-{k - 1}") for k in sizes}
         models = {"target": target, "draft": draft}
         opened = {key: LlamaModel(path, load) for key, path in slim_files.items()}
         try:
             models.update(opened)
-            fill = [t for p in cal_tokens for t in p]
+            fill = [t for p in setup.cal_tokens for t in p]
             log(f"profiling {', '.join(models)}: batches {cfg.batches[0]}..{cfg.batches[-1]}, contexts "
                 f"{', '.join(map(str, cfg.contexts))}, {cfg.repeats} repeats")
-            profile = prof.measure(models, fill, batches=cfg.batches, contexts=cfg.contexts, repeats=cfg.repeats)
+            profile = costs.measure(models, fill, batches=cfg.batches, contexts=cfg.contexts, repeats=cfg.repeats)
         finally:
             for m in opened.values():
                 m.close()
-        profile.meta = {"pair": name, "machine": machine_key(), "cpu": machine()["cpu"], "threads": threads,
+        profile.meta = {"pair": setup.name, "machine": machine_key(), "cpu": machine()["cpu"], "threads": setup.threads,
                         "date": _now(), "load": {k: v for k, v in asdict(load).items() if k != "capture"},
                         "fit_error": profile.fit_error()}
-        write_json(tuned_path(name, "profile"), profile.to_dict())
-        timings["profile"] = time.monotonic() - t0
+        write_json(tuned_path(setup.name, "profile"), profile.to_dict())
         log(f"profile: target {_ms(profile, 'target', 1)} ms/token alone, {_ms(profile, 'target', 8)} ms for 8; "
-            f"draft {_ms(profile, 'draft', 1)} ms; slim cost by block count within {profile.meta['fit_error']['median']:.0%} "
-            f"(median; worst point {profile.meta['fit_error']['max']:.0%})")
+            f"draft {_ms(profile, 'draft', 1)} ms; slim cost by block count within "
+            f"{profile.meta['fit_error']['median']:.0%} (median; worst point {profile.meta['fit_error']['max']:.0%})")
+        t1 = time.monotonic()
+        traces = record(target, draft, setup.cal_tokens, cfg.calib_tokens)
+    t2 = time.monotonic()
+    agree = float(np.mean(np.concatenate([t.draft == t.target for t in traces])))
+    log(f"recorded {len(traces)} calibration prompts x {cfg.calib_tokens} tokens; draft agrees with the "
+        f"target on {agree:.2f} of them")
+    return Recorded(profile, traces, eog, n_blocks, agree, {"profile": t1 - t0, "record": t2 - t1})
 
-        # 2. record ---------------------------------------------------------------------------------
-        t0 = time.monotonic()
-        traces = record(target, draft, cal_tokens, cfg.calib_tokens)
-        timings["record"] = time.monotonic() - t0
-        draft_agree = float(np.mean(np.concatenate([t.draft == t.target for t in traces])))
-        log(f"recorded {len(traces)} calibration prompts x {cfg.calib_tokens} tokens; draft agrees with the "
-            f"target on {draft_agree:.2f} of them")
 
-    # 3. slim search ------------------------------------------------------------------------------
-    t0 = time.monotonic()
-    verify_cost = profile.cost("target", SpecParams().n_draft + 1, cfg.contexts[1])
+def search_slims(cfg: TuneConfig, setup: Setup, rec: Recorded, log: Log) -> SlimSearch:
+    """Slim layer sets within the cost budget, scored by agreement along the traces; the best
+    (and the best prefix) scored again on every calibration prompt."""
+    profile, traces, n_blocks, load = rec.profile, rec.traces, rec.n_blocks, setup.load
+    verify_calls = profile.cost("target", SpecParams().n_draft + 1, cfg.contexts[1])
     budget = max((k for k in range(1, n_blocks)
-                  if profile.slim_cost(k, SpecParams().n_draft + 1, cfg.contexts[1]) <= cfg.slim_budget * verify_cost),
+                  if profile.slim_cost(k, SpecParams().n_draft + 1, cfg.contexts[1]) <= cfg.slim_budget * verify_calls),
                  default=1)  # even one block over budget: search the cheapest slims anyway, the replay decides
     order = sorted(range(len(traces)), key=lambda i: len(traces[i].prompt))
     search_set = [traces[i] for i in order[: cfg.search_prompts]]
     scratch = Path(tempfile.mkdtemp(prefix="via-edge-search-", dir=catalog.model_dir()))
     try:
         def evaluate(layers, want_influence):
-            path = build_slim(target_path, format_layers(layers), scratch / f"{format_layers(layers)}.gguf")
+            path = build_slim(setup.target_path, format_layers(layers), scratch / f"{format_layers(layers)}.gguf")
             extra_load = replace(load, capture=capture_names(len(layers)) if want_influence else ())
             with LlamaModel(path, extra_load) as slim:
                 sts, infl = slim_traces(slim, search_set, hidden=want_influence)
@@ -193,83 +277,76 @@ def tune(cfg: TuneConfig, quiet: bool = False) -> dict:
         ranked = search.run()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    timings["search"] = time.monotonic() - t0
+    data, model, scores = {}, {}, []
+    for s in _finalists(ranked):
+        layers = format_layers(s.layers)
+        with LlamaModel(build_slim(setup.target_path, layers), load) as slim:
+            data[layers], _ = slim_traces(slim, traces)
+        model[layers] = f"slim-{len(s.layers)}"
+        scores.append({"layers": layers, "blocks": len(s.layers), "strategy": s.strategy,
+                       "search_agreement": s.agreement, "agreement": _agreement(traces, data[layers]),
+                       **_routing(traces, data[layers])})
+    log("finalists: " + "; ".join(f"{d['layers']} agreement {d['agreement']:.2f}" for d in scores))
+    scored = [{"layers": format_layers(s.layers), "blocks": len(s.layers), "strategy": s.strategy,
+               "agreement": s.agreement, **s.extra} for s in search.scored.values()]
+    return SlimSearch(budget, scored, data, model, scores)
 
-    # finalists, scored on every calibration prompt
-    finalists = _finalists(ranked)
-    slim_data, slim_model, slim_scores = {}, {}, []
-    for s in finalists:
-        spec_s = format_layers(s.layers)
-        with LlamaModel(build_slim(target_path, spec_s), load) as slim:
-            slim_data[spec_s], _ = slim_traces(slim, traces)
-        slim_model[spec_s] = f"slim-{len(s.layers)}"
-        slim_scores.append({"layers": spec_s, "blocks": len(s.layers), "strategy": s.strategy,
-                            "search_agreement": s.agreement, "agreement": _agreement(traces, slim_data[spec_s]),
-                            **_routing(traces, slim_data[spec_s])})
-    log("finalists: " + "; ".join(f"{d['layers']} agreement {d['agreement']:.2f}" for d in slim_scores))
 
-    # 4. predict and choose ------------------------------------------------------------------------
+def predict_all(cfg: TuneConfig, rec: Recorded, slims: SlimSearch, fmts: FormatSurvey, log: Log) -> Prediction:
+    """Replay every configuration on the shipped file, then every mode on each passing format
+    with the chosen slim; the predicted choice and what the real run checks."""
     t0 = time.monotonic()
-    cands = predict(traces, slim_data, slim_model, profile.cost, eog, cfg.out_length, grid(list(slim_data)))
+    traces, cost, eog = rec.traces, rec.profile.cost, rec.eog
+    cands = predict(traces, slims.traces, slims.model, cost, eog, cfg.out_length, grid(list(slims.traces)))
     best = best_per_mode(cands, cfg.fidelity_floor)
     # the engine loads one slim: the one of the faster slim mode; the other mode is tuned for it too
     slim_modes = [best[m] for m in ("via", "hier") if m in best]
     slim_layers = max(slim_modes, key=lambda c: c.speedup).slim if slim_modes else None
     usable = [c for c in cands if c.slim in (None, slim_layers)]
-    for fmt, ratio in ratios.items():  # every mode again on each passing format, with the chosen slim
-        usable += predict(traces, slim_data, slim_model, profile.scaled(ratio), eog, cfg.out_length,
-                          grid([slim_layers] if slim_layers else []), fmt=fmt, baseline=profile.cost)
+    for fmt, ratio in fmts.ratios.items():
+        usable += predict(traces, slims.traces, slims.model, rec.profile.scaled(ratio), eog, cfg.out_length,
+                          grid([slim_layers] if slim_layers else []), fmt=fmt, baseline=cost)
     baseline = next(c for c in cands if c.mode == "ar")
-    best = best_per_mode(usable, cfg.fidelity_floor)
-    chosen = choose(best, baseline)
-    timings["predict"] = time.monotonic() - t0
-    log(f"predicted {len(usable)} configurations in {timings['predict']:.0f}s; best per mode: "
-        + ", ".join(f"{c.label()} {c.speedup:.2f}x" for c in best.values()))
-    # the real check runs every mode on the format of the predicted choice, against ar on the shipped file
-    fmt = chosen.format
+    chosen = choose(best_per_mode(usable, cfg.fidelity_floor), baseline)
+    log(f"predicted {len(usable)} configurations in {time.monotonic() - t0:.0f}s; best per mode: "
+        + ", ".join(f"{c.label()} {c.speedup:.2f}x" for c in best_per_mode(usable, cfg.fidelity_floor).values()))
+    fmt = chosen.format  # the real check runs every mode on it, against ar on the shipped file
     best = best_per_mode(usable, cfg.fidelity_floor, fmt=fmt)
-    # a lossy mode with nothing above the floor keeps (and is checked at) its most faithful configuration
     below = {m: max((c for c in usable if c.mode == m and c.format == fmt), key=lambda c: (c.fidelity, c.speedup))
              for m in ("via",) if m not in best and any(c.mode == m and c.format == fmt for c in usable)}
-    fmt_path = formats.derive(target_path, fmt)
+    return Prediction(cands, usable, baseline, chosen, best, below, slim_layers)
 
-    # 5. verify with a real run ----------------------------------------------------------------------
-    t0 = time.monotonic()
-    checks = verify(fmt_path, draft_path, {**best, **below}, held, cfg, load, log,
-                    baseline=target_path if fmt != formats.SHIPPED else None)
-    timings["verify"] = time.monotonic() - t0
-    final, why = _final_choice(chosen, best, checks, cfg.fidelity_floor, baseline)
-    final, why = _copy_drafting_over_ar(final, why, best, checks, fmt)
-    log(why)
 
-    # 6. store -------------------------------------------------------------------------------------
-    if final.format != fmt:  # fell back to ar on the shipped file: keep the shipped format's knobs
-        best = best_per_mode(usable, cfg.fidelity_floor, fmt=final.format)
-        below = {}
+def store(cfg: TuneConfig, setup: Setup, fmts: FormatSurvey, rec: Recorded, slims: SlimSearch, pred: Prediction,
+          checks: dict, final: Candidate, why: str, timings: dict, log: Log) -> dict:
+    """The choice written where the engine reads it, files this run made and did not choose
+    removed, and the whole report returned."""
+    name, best, below = setup.name, pred.best, pred.below
+    if final.format != pred.chosen.format:  # fell back to ar on the shipped file: keep the shipped format's knobs
+        best, below = best_per_mode(pred.usable, cfg.fidelity_floor, fmt=final.format), {}
     modes = {m: asdict(c.spec) for m, c in {**best, **below}.items()}
-    choice = TunedConfig(name, final.mode, slim_layers, modes, why, target_format=final.format,
-                         draft_format=draft_fmt.format if draft_fmt else formats.SHIPPED,
+    choice = TunedConfig(name, final.mode, pred.slim_layers, modes, why, target_format=final.format,
+                         draft_format=fmts.draft.format if fmts.draft else formats.SHIPPED,
                          formats=sorted(set(cfg.formats) | {formats.SHIPPED}))
-    timings["total"] = time.monotonic() - t_start
+    derived_cands = [c for c in pred.usable if c.format != formats.SHIPPED]
     result = {
-        "meta": {"date": _now(), "pair": name, "machine": {**machine(), "threads_used": threads,
+        "meta": {"date": _now(), "pair": name, "machine": {**machine(), "threads_used": setup.threads,
                                                             "key": machine_key()},
                  "versions": versions(), "config": {k: (str(v) if isinstance(v, Path) else v)
                                                     for k, v in asdict(cfg).items()},
-                 "calibration": [p.id for p in cal], "heldout": [p.id for p in held],
-                 "timings": timings, "draft_agreement": draft_agree, "block_budget": budget,
-                 "n_blocks": n_blocks},
-        "formats": {role: [r.to_dict() for r in rows] for role, rows in fmt_rows.items()},
-        "formats_table": table(fmt_rows, cfg.quality_floor) if fmt_rows else "",
-        "profile": profile.to_dict(),
-        "search": [{"layers": format_layers(s.layers), "blocks": len(s.layers), "strategy": s.strategy,
-                    "agreement": s.agreement, **s.extra} for s in search.scored.values()],
-        "finalists": slim_scores,
-        "candidates": [c.to_dict() for c in cands + [c for c in usable if c.format != formats.SHIPPED]],
-        "frontier": [c.label() for c in frontier(cands + [c for c in usable if c.format != formats.SHIPPED])],
+                 "calibration": [p.id for p in setup.calibration], "heldout": [p.id for p in setup.heldout],
+                 "timings": timings, "draft_agreement": rec.draft_agreement, "block_budget": slims.budget,
+                 "n_blocks": rec.n_blocks},
+        "formats": {role: [r.to_dict() for r in rows] for role, rows in fmts.rows.items()},
+        "formats_table": table(fmts.rows, cfg.quality_floor) if fmts.rows else "",
+        "profile": rec.profile.to_dict(),
+        "search": slims.scored,
+        "finalists": slims.finalists,
+        "candidates": [c.to_dict() for c in pred.cands + derived_cands],
+        "frontier": [c.label() for c in frontier(pred.cands + derived_cands)],
         "best": {m: c.to_dict() for m, c in best.items()},
         "below_floor": {m: c.to_dict() for m, c in below.items()},
-        "predicted_choice": chosen.to_dict(),
+        "predicted_choice": pred.chosen.to_dict(),
         "verify": checks,
         "choice": choice.to_dict(),
     }
@@ -277,7 +354,7 @@ def tune(cfg: TuneConfig, quiet: bool = False) -> dict:
     result["paths"] = {"profile": str(tuned_path(name, "profile")), "choice": str(tuned_path(name, "choice"))}
     made = derived_files()
     used = in_use(made)
-    dropped = [d for d in made if d.path not in before and d.path not in used]
+    dropped = [d for d in made if d.path not in setup.before and d.path not in used]
     freed = sum(remove(d.path) for d in dropped)
     if dropped:
         log(f"removed {len(dropped)} files this run made and did not choose ({freed / 1e9:.1f} GB): "
@@ -339,59 +416,6 @@ def verify(target_path: Path, draft_path: Path, best: dict[str, Candidate], prom
     return out
 
 
-def _final_choice(chosen: Candidate, best: dict[str, Candidate], checks: dict, floor: float, baseline: Candidate
-                  ) -> tuple[Candidate, str]:
-    """Keep the predicted choice only if the real run agrees it is clearly faster than ar on the
-    shipped file (never slower). `best` and `checks` are per mode on the choice's format."""
-    def is_base(c: Candidate) -> bool:
-        return c.mode == "ar" and c.format == baseline.format
-
-    def ok(m: str) -> bool:
-        c = checks.get(m)
-        return m in best and bool(c) and c["measured_speedup"] >= 1.0 + MEASURED_MARGIN and (
-            best[m].lossless or c["measured_agreement"] >= floor)
-
-    if not is_base(chosen) and ok(chosen.mode):
-        c = checks[chosen.mode]
-        return chosen, (f"chose {chosen.label()}: predicted {chosen.speedup:.2f}x, measured {c['measured_speedup']:.2f}x "
-                        f"over ar on the shipped file on held-out prompts")
-    # another mode may stand in for the favourite only if it, too, clears the predicted margin
-    measured = [m for m in checks if m in best and not is_base(best[m]) and ok(m)
-                and best[m].speedup >= 1.0 + PREDICTED_MARGIN]
-    if measured:
-        m = max(measured, key=lambda m: checks[m]["measured_speedup"])
-        return best[m], (f"chose {best[m].label()}: measured {checks[m]['measured_speedup']:.2f}x over ar on the "
-                         f"shipped file on held-out prompts (the predicted favourite, {chosen.label()}, was not "
-                         f"faster in the real run)")
-    fastest = max((c for c in best.values() if not is_base(c)), key=lambda c: c.speedup, default=None)
-    detail = (f"; the best other configuration, {fastest.label()}, is predicted at {fastest.speedup:.2f}x"
-              + (f" and measured at {checks[fastest.mode]['measured_speedup']:.2f}x" if fastest.mode in checks else "")
-              if fastest else "")
-    return baseline, (f"nothing beats plain decoding (ar) on the shipped file on this machine by the margins the "
-                      f"never-slower rule asks (predicted +{PREDICTED_MARGIN:.0%}, measured +{MEASURED_MARGIN:.0%})"
-                      f"{detail}: chose ar")
-
-
-NOT_SLOWER = 0.98  # lookup replaces ar when measured at least this fast as ar on held-out prompts
-
-
-def _copy_drafting_over_ar(final: Candidate, why: str, best: dict[str, Candidate], checks: dict, fmt: str
-                           ) -> tuple[Candidate, str]:
-    """Where the choice is plain decoding, copy-aware drafting (`lookup`) takes its place if the
-    real run finds it no slower: it abstains where the text copies nothing (an `ar` round) and
-    pays several times over on answers that rewrite their prompt, which calibration prompts
-    rarely are (docs/benchmarks.md, section 20)."""
-    look, plain = checks.get("lookup"), checks.get("ar")
-    if final.mode != "ar" or final.format != fmt or "lookup" not in best or not look:
-        return final, why
-    plain_speed = plain["measured_speedup"] if plain else 1.0
-    if look["measured_speedup"] < NOT_SLOWER * plain_speed:
-        return final, why
-    return best["lookup"], (f"{why}; lookup in its place: measured {look['measured_speedup']:.2f}x against ar's "
-                            f"{plain_speed:.2f}x on held-out prompts (no slower where nothing is copied, "
-                            f"several times faster where the answer copies its prompt)")
-
-
 def _finalists(ranked, n: int = 2):
     """The best slims, plus the best prefix (it can import the target's prompt KV)."""
     out = list(ranked[:n])
@@ -416,7 +440,7 @@ def _routing(traces, sts, tau_accept: float = SpecParams().tau_accept, tau_full:
             "tier_b_share": float(b.mean()), "tier_b_precision": float(slim_ok[b].mean()) if b.any() else float("nan")}
 
 
-def _ms(profile: prof.CostProfile, model: str, n: int) -> str:
+def _ms(profile: costs.CostProfile, model: str, n: int) -> str:
     return f"{profile.cost(model, n, profile.contexts[1]) * 1e3:.0f}"
 
 

@@ -1,0 +1,96 @@
+"""Two checkouts of via-edge, the same modes, prompts and weights, in one interleaved run: is a
+change speed-neutral? (docs/benchmarks.md, section 28)
+
+    .venv/bin/python tools/ab_speed.py --base /tmp/before [--new .] [--modes ar,lookup]
+        [--suite edit] [--prompts 4] [-n 128] [--rounds 2] [--target GGUF]
+
+`--base` is another checkout (e.g. `git worktree add /tmp/before HEAD~1`). Every (checkout, mode)
+runs in a process of its own, one at a time (two llama.cpp processes at once slow each other
+down many times on 2 cores), their order rotating each round; each process loads the target,
+warms up, then generates every prompt greedily from a cold cache. Reported per mode: the new
+checkout's tok/s over the base's, per prompt (geomean, min-max over prompts and rounds), and each
+checkout's share of wall time spent outside llama_decode (the Python the loop adds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+# run in the child, with the checkout first on sys.path: only what every version has is used
+CHILD = r"""
+import json, sys
+from via_edge import Engine
+from via_edge.bench.suite import prompts_in_turn
+a = json.loads(sys.argv[1])
+prompts = prompts_in_turn(a["suite"], None, a["prompts"])
+with Engine(a["target"], mode=a["mode"], n_ctx=4096) as engine:
+    engine.generate(prompts[0].text, max_tokens=8)  # warm-up (and lookup's batch costs)
+    out = []
+    for p in prompts:
+        engine.reset()
+        s = engine.generate(p.text, max_tokens=a["n"]).stats
+        decode = s.target.seconds + s.draft.seconds + s.slim.seconds
+        out.append({"id": p.id, "tok_s": s.tokens_per_second, "tokens": s.generated_tokens,
+                    "python": 1 - decode / (s.prefill_seconds + s.generate_seconds)})
+print(json.dumps({"module": __import__("via_edge").__file__, "runs": out}))
+"""
+
+
+def run(checkout: Path, mode: str, args: argparse.Namespace, target: str) -> list[dict]:
+    env = dict(os.environ, PYTHONPATH=str(checkout))
+    arg = json.dumps({"suite": args.suite, "prompts": args.prompts, "n": args.n, "mode": mode, "target": target})
+    proc = subprocess.run([sys.executable, "-c", CHILD, arg], env=env, capture_output=True, text=True, cwd="/")
+    if proc.returncode != 0:
+        raise SystemExit(f"{checkout} {mode} failed:\n{proc.stderr[-2000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if not out["module"].startswith(str(checkout)):
+        raise SystemExit(f"{checkout}: imported {out['module']} instead (is it a via-edge checkout?)")
+    return out["runs"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--base", type=Path, required=True, help="the checkout to compare against")
+    ap.add_argument("--new", type=Path, default=Path(__file__).resolve().parent.parent, help="default: this one")
+    ap.add_argument("--modes", default="ar,lookup")
+    ap.add_argument("--suite", default="edit", help="edit or spec-bench")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("-n", type=int, default=128, help="new tokens per prompt")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--target", default=None, help="GGUF (default: the catalog's default target)")
+    args = ap.parse_args()
+    if args.target is None:
+        from via_edge import models as catalog
+        args.target = str(catalog.resolve(catalog.pair(None)["target"]))
+    checkouts = {"base": args.base.resolve(), "new": args.new.resolve()}
+    jobs = [(name, mode) for mode in args.modes.split(",") for name in checkouts]
+    got: dict[tuple[str, str], list[list[dict]]] = {job: [] for job in jobs}
+    for r in range(args.rounds):
+        order = jobs[r % len(jobs):] + jobs[:r % len(jobs)]
+        for name, mode in order:
+            got[(name, mode)].append(run(checkouts[name], mode, args, args.target))
+            print(f"round {r + 1}: {name} {mode} done", file=sys.stderr, flush=True)
+    print(f"target {Path(args.target).name}, suite {args.suite}, {args.prompts} prompts x {args.n} tokens, "
+          f"{args.rounds} rounds; base {checkouts['base']}, new {checkouts['new']}")
+    print("| mode | new / base tok/s (geomean, min-max) | base tok/s (median) | new tok/s (median) "
+          "| outside llama_decode, base / new |")
+    print("| --- | --- | --- | --- | --- |")
+    for mode in args.modes.split(","):
+        base, new = got[("base", mode)], got[("new", mode)]
+        ratios = [n["tok_s"] / b["tok_s"] for rb, rn in zip(base, new) for b, n in zip(rb, rn)]
+        med = {k: statistics.median(x["tok_s"] for rs in got[(k, mode)] for x in rs) for k in checkouts}
+        py = {k: statistics.median(x["python"] for rs in got[(k, mode)] for x in rs) for k in checkouts}
+        geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        print(f"| {mode} | {geo:.3f}x ({min(ratios):.3f}-{max(ratios):.3f}) | {med['base']:.1f} | {med['new']:.1f} "
+              f"| {py['base']:.1%} / {py['new']:.1%} |")
+
+
+if __name__ == "__main__":
+    main()

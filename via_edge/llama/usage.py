@@ -1,0 +1,18 @@
+"""What decoding cost a model or one of its sequences: llama_decode calls, tokens, seconds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ModelUsage:
+    """llama_decode calls, tokens decoded (catch-up and drafts included) and their wall time."""
+
+    calls: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def since(self, before: "ModelUsage") -> "ModelUsage":
+        return ModelUsage(self.calls - before.calls, self.tokens - before.tokens,
+                          self.seconds - before.seconds)
