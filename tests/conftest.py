@@ -13,6 +13,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from make_tiny_gguf import make_tiny_gguf  # noqa: E402
 
+
 def interruptible() -> None:
     """preexec_fn for a child that the test interrupts: a suite started in the background (a
     non-interactive `cmd &`) inherits SIGINT ignored, and Python then installs no Ctrl-C handler."""
@@ -71,7 +72,7 @@ def tiny_engine(tiny_target):
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
-    from via_edge.models import entry
+    from via_edge.weights.catalog import entry
 
     path = entry("smollm2-135m-instruct").installed_path()
     assert path is not None, "SmolLM2 comes with the test extra: pip install -e '.[test]'"

@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import interruptible
+
 from via_edge.bench.metrics import fidelity, geomean, spread
 from via_edge.bench.suite import load_prompts, packaged_rows, prompts_in_turn
 from via_edge.errors import InvalidParameterError
@@ -109,7 +109,7 @@ def test_bench_bad_input(tmp_path, args, match):
 
 
 def test_bench_missing_model(tmp_path, monkeypatch):
-    cat = json.loads((__import__("via_edge.models", fromlist=["x"])._catalog_path()).read_text())
+    cat = json.loads((__import__("via_edge.weights.catalog", fromlist=["x"])._catalog_path()).read_text())
     cat["pairs"]["ghost"] = {"target": "qwen2.5-coder-1.5b-instruct", "draft": "qwen2.5-coder-0.5b-instruct"}
     f = tmp_path / "catalog.json"
     f.write_text(json.dumps(cat))
@@ -121,6 +121,7 @@ def test_bench_missing_model(tmp_path, monkeypatch):
     assert proc.returncode == 2 and "could not fetch qwen2.5-coder-1.5b-instruct" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_bench_quick_end_to_end(tmp_path):
     out = tmp_path / "run"
     proc = cli("bench", "--quick", "-n", 20, "--out", out)
@@ -195,6 +196,7 @@ def test_a_peer_in_another_python_answers_as_one_in_process(smollm2):
     assert b["gen_s"] > 0 and b["tok_s"] > 0
 
 
+@pytest.mark.slow
 def test_an_interrupted_bench_keeps_the_prompts_it_finished(tmp_path):
     """Ctrl-C after the first prompt: exit 130, the finished prompts' runs and their summary in
     results.partial.json (said in the message), and no results.json pretending to be whole."""

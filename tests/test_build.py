@@ -50,6 +50,7 @@ def test_info_and_version_name_the_build(tmp_path):
     assert ver.returncode == 0 and f"llama.cpp {flavor} build" in ver.stdout
 
 
+@pytest.mark.slow
 def test_amx_patch_applies_to_the_pinned_source(tmp_path):
     """The patch applies to the vendored mmq.cpp of llama-cpp-python 0.3.36 as pip fetches it
     (skipped without the sdist in pip's reach)."""

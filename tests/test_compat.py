@@ -5,9 +5,9 @@ from functools import partial
 
 import pytest
 
-from via_edge.compat import Llama
 from via_edge.llama import on_compute_thread
-from via_edge.slim import build_f32
+from via_edge.compat import Llama
+from via_edge.weights.formats import build_f32
 
 PROMPT = "The three primary colors are"
 MESSAGES = [{"role": "user", "content": "Name three animals that live in the sea."}]

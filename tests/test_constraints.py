@@ -7,11 +7,11 @@ import re
 
 import numpy as np
 import pytest
-
 from test_decoding import engines, fit  # noqa: F401  (the tiny engines fixture)
+
 from via_edge import Engine, SpecParams
+from via_edge.decode.sampling import SamplingParams, dist
 from via_edge.errors import InvalidParameterError
-from via_edge.sampling import SamplingParams, dist
 
 PROMPTS = ["hello world", "the cat is here", "a", "some more words in here", "xyz 123"]
 LETTERS = 'root ::= [a-e]{3,12} "."'   # then only the end of generation is allowed

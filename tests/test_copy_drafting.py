@@ -3,13 +3,13 @@ contexts, and lossless decoding with it on real models."""
 
 import numpy as np
 import pytest
-
 from conftest import EXACT
+
 from via_edge import Engine, SpecParams
-from via_edge.drafters import CopyDrafter, CopyPolicy, NgramIndex
-from via_edge.spec import NGRAM_LIMIT
+from via_edge.decode.drafters import CopyDrafter, CopyPolicy, NgramIndex
+from via_edge.decode.sampling import SamplingParams
+from via_edge.decode.spec import NGRAM_LIMIT
 from via_edge.errors import InvalidParameterError
-from via_edge.sampling import SamplingParams
 
 GREEDY = SamplingParams()
 FREE = SpecParams()  # default knobs: copy_max 32, ngram 1..12
@@ -199,7 +199,7 @@ def test_chat_colours_copied_tokens_and_counts_them(smollm2):
     import io
 
     from via_edge.chat import COLOURS, ChatSession
-    from via_edge.modes import COPY
+    from via_edge.decode.modes import COPY
 
     with Engine(smollm2, n_ctx=2048, mode="lookup") as engine:
         out = io.StringIO()
@@ -215,9 +215,9 @@ def test_the_loop_tells_the_drafter_what_it_kept(tiny_target):
     """`accept(n)` after each verified round, n the draft tokens the context kept: over a greedy
     generation (lossless, so every committed copy token is an accepted draft token) the accepted
     counts add up to the copied tokens, and rejected drafts are reported short."""
-    from via_edge.decoding import Decoder
-    from via_edge.scores import ScoredModel
-    from via_edge.stats import Stats
+    from via_edge.decode.loop import Decoder
+    from via_edge.decode.scores import ScoredModel
+    from via_edge.decode.stats import Stats
 
     class Listening(CopyDrafter):
         def propose(self, *args, **kw):

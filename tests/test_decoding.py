@@ -3,13 +3,13 @@ it is random, and KV caches that always match the committed text."""
 
 import numpy as np
 import pytest
-
 from chi2 import chi2_sf
 from conftest import EXACT, make_tiny_gguf
+
 from via_edge import Engine, SpecParams
+from via_edge.decode.sampling import SamplingParams, dist
 from via_edge.errors import InvalidParameterError
 from via_edge.llama import LlamaModel, LoadParams
-from via_edge.sampling import SamplingParams, dist
 
 PROMPTS = ["hello world", "the cat is here", "a", "some more words in here", "xyz 123", "é ü 世界"]
 
@@ -224,6 +224,7 @@ def fit(dist, counts):
     return chi2_sf(chi, keep.sum() - 1)
 
 
+@pytest.mark.slow
 def test_stochastic_sd_and_hier_match_target_distribution(engines):
     """First emitted token of sampled sd and hier vs the target's own softmax: chi-square at p = 0.001.
 
@@ -247,6 +248,7 @@ def test_stochastic_sd_and_hier_match_target_distribution(engines):
         assert fit(q, counts) < 0.001, mode
 
 
+@pytest.mark.slow
 def test_stochastic_lookup_matches_target_distribution(engines):
     """Sampled lookup: the copy is a point mass, accepted with probability p(copy), else the
     token is drawn from p without it. Every run drafts the copy at the first position; the first

@@ -11,14 +11,14 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import interruptible, make_tiny_gguf
-from via_edge import Engine, formats
+
+from via_edge import Engine
 from via_edge.errors import ModelFileError, ViaEdgeError
 from via_edge.llama import LlamaModel, LoadParams
-from via_edge.quality import compare, greedy_continuations
 from via_edge.tune.survey import QUALITY_FLOOR
-
+from via_edge.weights import formats
+from via_edge.weights.quality import compare, greedy_continuations
 
 
 @pytest.fixture(scope="module")
@@ -106,12 +106,13 @@ def test_cache_is_keyed_by_the_source_sha256(tmp_path):
     assert formats.variant_source(formats.derive(src, "q4_0", quiet=True))[1] == formats.sha256_cached(src)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
 def test_interrupted_derivation_leaves_no_file_under_the_final_name(smollm2, tmp_path, sig):
     src = tmp_path / smollm2.name
     shutil.copy(smollm2, src)
     final = formats.variant_path(src, "iq4_nl", formats.sha256_cached(src))
-    code = f"from via_edge import formats; formats.derive({str(src)!r}, 'iq4_nl', quiet=True, threads=1)"
+    code = f"from via_edge.weights import formats; formats.derive({str(src)!r}, 'iq4_nl', quiet=True, threads=1)"
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, preexec_fn=interruptible)
     deadline = time.monotonic() + 60
     while not list(tmp_path.glob(final.name + ".partial-*")) and time.monotonic() < deadline:
@@ -157,6 +158,7 @@ def smol_prompts(smollm2):
         return [chat_tokens(m, [{"role": "user", "content": p.text}]) for p in calibration_prompts(1)[:4]]
 
 
+@pytest.mark.slow
 def test_quality_accepts_an_identical_copy_and_rejects_a_damaged_variant(smollm2, smol_prompts, tmp_path):
     """The identical file (loaded separately) agrees on every position with KL 0 and equal
     perplexity; a Q2_K requantization of the same model falls below the floor, with a KL and
@@ -177,11 +179,12 @@ def test_quality_accepts_an_identical_copy_and_rejects_a_damaged_variant(smollm2
     assert q["q2_k"].agreement < QUALITY_FLOOR and q["q2_k"].kl > 0.3 and q["q2_k"].ppl_ratio > 1.2
 
 
+@pytest.mark.slow
 def test_tuned_format_is_what_the_engine_loads(tmp_path, monkeypatch):
     """A tuned choice naming a format makes from_pair load that variant (derived on demand);
     untuned loads the shipped file."""
-    from via_edge.models import entry
-    from via_edge.tuned import TunedConfig, tuned_path
+    from via_edge.tune.store import TunedConfig, tuned_path
+    from via_edge.weights.catalog import entry
 
     monkeypatch.setenv("VIA_EDGE_MODEL_DIR", str(tmp_path))
     shipped = entry("smollm2-135m-instruct").installed_path()
@@ -212,6 +215,7 @@ def test_bad_format_input_is_one_message_and_exit_2(args, match):
     assert proc.returncode == 2 and match in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_optimize_prints_costs_quality_and_the_pick(tmp_path):
     proc = cli("models", "optimize", "smollm2-135m-instruct", "--formats", "q4_0,q4_0-q8head", "--prompts", "2",
                "--tokens", "8", "--repeats", "1", "--out", tmp_path, env={"VIA_EDGE_MODEL_DIR": str(tmp_path)})
@@ -226,10 +230,11 @@ def test_optimize_prints_costs_quality_and_the_pick(tmp_path):
     assert all(set(r["cost_ms"]) == {"1", "2", "4", "8", "16"} for r in rows)
 
 
+@pytest.mark.slow
 def test_bench_tuned_runs_the_tuned_format_beside_the_shipped_peers(tmp_path, monkeypatch):
     """bench --tuned loads the tuned format for <mode>:tuned (ar:tuned exists because the format
     differs), while ar and llama-cpp-python run the shipped file; the report names each format."""
-    from via_edge.tuned import TunedConfig, tuned_path
+    from via_edge.tune.store import TunedConfig, tuned_path
 
     env = {"VIA_EDGE_MODEL_DIR": str(tmp_path)}
     monkeypatch.setenv("VIA_EDGE_MODEL_DIR", str(tmp_path))

@@ -13,6 +13,7 @@ def engine(smollm2):
         yield e
 
 
+@pytest.mark.slow
 def test_all_modes_run_and_report(engine):
     ar = engine.generate(PROMPT, mode="ar", max_tokens=48)
     assert "def" in ar.text and ar.stats.tokens_per_second > 0

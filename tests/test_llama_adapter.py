@@ -7,11 +7,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from via_edge.decode.text import StreamDecoder
 from via_edge.errors import ContextOverflowError, ModelFileError
-from via_edge.gguf_info import read_info
 from via_edge.llama import LlamaModel, LoadParams, common_prefix
 from via_edge.prompts import render_chat
-from via_edge.text import StreamDecoder
+from via_edge.weights.gguf_info import read_info
 
 PARAMS = LoadParams(n_ctx=256, kv_type="f32", flash_attn=False, use_extra_bufts=False)
 TEXT = "Hello the world, héllo 世界 🎉 and some more text for the test"
@@ -96,10 +96,10 @@ def test_logits_are_views_until_the_next_decode(model):
     """Rows are read-only views onto llama.cpp's buffer: no copy per row, and a view is overwritten
     by the model's next decode. The drafter reads each row before it decodes again, so its
     proposal equals one built from copies on a fresh model."""
-    from via_edge.spec import SpecParams
-    from via_edge.drafters import ModelDrafter
-    from via_edge.sampling import SamplingParams
-    from via_edge.scores import ScoredModel
+    from via_edge.decode.drafters import ModelDrafter
+    from via_edge.decode.sampling import SamplingParams
+    from via_edge.decode.scores import ScoredModel
+    from via_edge.decode.spec import SpecParams
 
     toks = model.tokenize(TEXT)
     model.reset()

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from via_edge import models
 from via_edge.errors import CatalogError, DownloadError, ModelFileError
+from via_edge.weights import catalog as models
 
 PAYLOAD = bytes(range(256)) * 4000  # the "model": 1,024,000 bytes in three chunks
 CHUNKS = [PAYLOAD[:400_000], PAYLOAD[400_000:800_000], PAYLOAD[800_000:]]
@@ -198,20 +198,22 @@ def test_unknown_model_message_names_pairs(index):
 def test_the_suite_derives_nothing_into_the_users_model_directory(smollm2, session_model_dir):
     """SmolLM2 comes in a Python package, so its F32 copies and slims go to the model directory:
     during the tests that is the run's own (it once was the user's, 1.4 GB of it)."""
-    from via_edge.models import model_dir
-    from via_edge.slim import derived_dir
+    from via_edge.weights.catalog import model_dir
+    from via_edge.weights.slim import derived_dir
 
     users = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "via-edge" / "models"
     assert derived_dir(smollm2) == model_dir() == session_model_dir != users
 
 
+@pytest.mark.slow
 def test_derived_files_are_listed_and_deleted_only_by_name(tiny_target, tmp_path, monkeypatch):
     """`models list` shows what via-edge derived, with size and kind; `models rm` deletes only
     such files (every name checked first); `models prune` deletes what no tuned choice uses."""
     import subprocess
     import sys
 
-    from via_edge.slim import build_f32, build_slim
+    from via_edge.weights.formats import build_f32
+    from via_edge.weights.slim import build_slim
 
     monkeypatch.setenv("VIA_EDGE_MODEL_DIR", str(tmp_path))
     source = tmp_path / "target.gguf"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import io
 
-from via_edge import models
 from via_edge.bench.runner import RunProgress
 from via_edge.progress import StatusLine
+from via_edge.weights import catalog as models
 
 
 class Terminal(io.StringIO):

@@ -339,6 +339,7 @@ def test_stream_usage_comes_in_its_own_last_chunk(client):
         client.chat.completions.create(**{**kw, "stream": False}, stream_options={"include_usage": True})
 
 
+@pytest.mark.slow
 def test_sigterm_drains_for_a_bounded_time_then_cancels(smollm2):
     """A running generation may finish for --drain seconds after SIGTERM; then it is cancelled
     and the server exits, saying what it waited for (it once waited silently for 43 s)."""

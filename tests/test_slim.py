@@ -2,13 +2,13 @@
 
 import numpy as np
 import pytest
-
 from conftest import EXACT, make_tiny_gguf
-from via_edge.drafters import check_compatible
+
+from via_edge.decode.drafters import check_compatible
 from via_edge.errors import IncompatibleModelsError, LayerSpecError
-from via_edge.gguf_info import field_value, open_reader
 from via_edge.llama import LlamaModel, LoadParams
-from via_edge.slim import build_slim, check_supported, format_layers, parse_layers, slice_seq_state
+from via_edge.weights.gguf_info import field_value, open_reader
+from via_edge.weights.slim import build_slim, check_supported, format_layers, parse_layers, slice_seq_state
 
 PARAMS = LoadParams(**EXACT)
 
@@ -157,7 +157,7 @@ def test_compatibility_rule_names_each_difference():
 def test_f32_copy_of_a_quantized_model(tiny_q8, tmp_path):
     import shutil
 
-    from via_edge.slim import build_f32
+    from via_edge.weights.formats import build_f32
 
     src = tmp_path / "q8.gguf"
     shutil.copy(tiny_q8, src)

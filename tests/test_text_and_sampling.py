@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
+from via_edge.decode.sampling import Dist, SamplingParams, dist, ratio_to_top, top_prob
+from via_edge.decode.text import StopMatcher
 from via_edge.errors import InvalidParameterError
-from via_edge.sampling import Dist, SamplingParams, dist, ratio_to_top, top_prob
-from via_edge.text import StopMatcher
 
 
 def feed_all(matcher, pieces):

@@ -13,6 +13,7 @@ TOOLS = sorted((ROOT / "tools").glob("*.py"))
 DOCS = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", TOOLS, ids=[p.name for p in TOOLS])
 def test_every_tool_says_how_to_run_it(path):
     """`--help` runs the script's top level and its argument parser, and nothing more."""

@@ -7,7 +7,7 @@ import pytest
 
 from via_edge import Engine
 from via_edge.errors import InvalidParameterError
-from via_edge.tools import CallStream, Tools, parse_calls, template_messages
+from via_edge.openai_api.toolcalls import CallStream, Tools, parse_calls, template_messages
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}

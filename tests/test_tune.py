@@ -6,23 +6,22 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
-
 from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import EXACT, make_tiny_gguf
+
 from via_edge import Engine, SpecParams
-from via_edge.drafters import CopyDrafter, CopyPolicy
+from via_edge.decode.costs import CostProfile, measure
+from via_edge.decode.drafters import CopyDrafter, CopyPolicy
+from via_edge.decode.scores import LogitRows
 from via_edge.llama import LlamaModel, LoadParams
-from via_edge.scores import LogitRows
-from via_edge.slim import build_slim, format_layers
 from via_edge.tune.choose import best_per_mode, choose, frontier, grid, predict
-from via_edge.costs import CostProfile, measure
 from via_edge.tune.record import SlimTrace, Trace, capture_names, record, slim_traces
 from via_edge.tune.replay import MeteredKV, predicted_agreement, replay
 from via_edge.tune.search import Search
+from via_edge.weights.slim import build_slim, format_layers
 
 PROMPTS = ["hello world", "the cat is here", "some more words in here", "xyz 123 abc"]
 ONE_PER_CALL = lambda model, n, ctx: 1.0  # noqa: E731  (seconds == calls)
@@ -178,8 +177,7 @@ def test_never_slower_rule(draft_cost, expect_ar):
 
 def test_final_choice_needs_both_margins():
     """A mode measured fast on a few held-out prompts but predicted below the margin stays out."""
-    from via_edge.tune.choose import Candidate
-    from via_edge.tune.choose import final_choice
+    from via_edge.tune.choose import Candidate, final_choice
 
     best = {"ar": Candidate("ar", SpecParams()), "lookup": Candidate("lookup", SpecParams(n_draft=3), speedup=1.04),
             "sd": Candidate("sd", SpecParams(n_draft=3), speedup=1.20)}
@@ -193,8 +191,8 @@ def test_final_choice_needs_both_margins():
 
 def format_rows(agreements: dict[str, float], n1_ms: dict[str, float]):
     """Synthetic survey rows: the shipped file plus variants with given quality and n=1 cost."""
-    from via_edge.quality import Quality
     from via_edge.tune.survey import FormatRow
+    from via_edge.weights.quality import Quality
 
     rows = [FormatRow("target", "shipped", Path("s.gguf"), 1, {1: n1_ms["shipped"] / 1e3, 8: 0.3})]
     for f, a in agreements.items():
@@ -219,9 +217,8 @@ def test_format_is_picked_only_when_it_clears_the_quality_floor():
 def test_tune_choice_across_formats_needs_quality_and_margins():
     """A faster format's plain decoding is a legitimate choice, priced against ar on the shipped
     file; a format whose costs do not clear the margin leaves ar on the shipped file."""
-    from via_edge.tune.choose import Candidate
-    from via_edge.costs import CostProfile
-    from via_edge.tune.choose import final_choice
+    from via_edge.decode.costs import CostProfile
+    from via_edge.tune.choose import Candidate, final_choice
 
     base = Candidate("ar", SpecParams())
     traces = synthetic_traces(0.9)
@@ -286,12 +283,13 @@ def model_dir(tmp_path, monkeypatch):
 
 def write_choice(mode="sd", **knobs):
     from via_edge.files import write_json
-    from via_edge.tuned import TunedConfig, tuned_path
+    from via_edge.tune.store import TunedConfig, tuned_path
 
     modes = {"ar": {}, "sd": {"n_draft": 3, **knobs}, "via": {"n_draft": 2, "tau_accept": 0.7, "tau_full": 0.5}}
     return write_json(tuned_path("smollm2", "choice"), TunedConfig("smollm2", mode, "0-19", modes, "test").to_dict())
 
 
+@pytest.mark.slow
 def test_engine_and_cli_use_the_tuned_choice(model_dir, smollm2):
     write_choice()
     with Engine.from_pair("smollm2", n_ctx=512) as engine:
@@ -327,8 +325,7 @@ def test_a_choice_made_on_another_build_is_not_applied(model_dir, smollm2):
 
 
 def test_lookup_takes_ars_place_when_no_slower():
-    from via_edge.tune.choose import Candidate
-    from via_edge.tune.choose import copy_drafting_over_ar
+    from via_edge.tune.choose import Candidate, copy_drafting_over_ar
 
     ar = Candidate("ar", SpecParams(), None, 1.0, 10.0, 0.0, 1.0, {})
     look = Candidate("lookup", SpecParams(copy_max=16), None, 1.01, 10.1, 0.0, 1.0, {})
@@ -359,6 +356,7 @@ def test_bench_tuned_needs_a_tuned_pair(model_dir, smollm2):
     assert out.returncode == 2 and "via-edge tune" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_bench_runs_tuned_beside_default(model_dir, smollm2):
     write_choice()
     out = cli("bench", "--pair", "smollm2", "--tuned", "--no-peers", "--categories", "coding", "-n", 8,
@@ -373,6 +371,7 @@ def test_bench_runs_tuned_beside_default(model_dir, smollm2):
     assert "sd:tuned" in (model_dir / "b" / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_tune_command_end_to_end(model_dir, smollm2):
     """The real command on SmolLM2 at its smallest settings: profile, choice and report written."""
     out = cli("tune", "--pair", "smollm2", "--repeats", 1, "--search-evals", 3, "--calib-tokens", 12, "--heldout", 1,
@@ -399,7 +398,7 @@ def test_tune_command_end_to_end(model_dir, smollm2):
     assert all(c["format"] == choice["target_format"] for c in result["best"].values())
     assert (model_dir / "report" / "report.md").read_text().startswith("# via-edge tune: smollm2")
     # what this run made and did not choose is gone; what the choice loads is there
-    from via_edge.derived import derived_files, in_use
+    from via_edge.weights.derived import derived_files, in_use
     kept = derived_files()
     used = in_use(kept)
     assert result["removed"] and not any(Path(p).exists() for p in result["removed"])
@@ -458,11 +457,11 @@ def test_replay_machinery_reproduces_sampled_runs(recorded, mode):
     """Sampled decoding, recorded once on the real models and played back through the replay's
     meter: the same seed commits the same tokens, and the meter counts exactly the calls and
     decoded tokens llama.cpp did (LlamaModel.eval's prefix rule, shared, not mirrored)."""
-    from via_edge.decoding import Decoder
-    from via_edge.drafters import ModelDrafter
-    from via_edge.sampling import SamplingParams
-    from via_edge.scores import ScoredModel
-    from via_edge.stats import Stats
+    from via_edge.decode.drafters import ModelDrafter
+    from via_edge.decode.loop import Decoder
+    from via_edge.decode.sampling import SamplingParams
+    from via_edge.decode.scores import ScoredModel
+    from via_edge.decode.stats import Stats
     from via_edge.tune.replay import Meter
 
     engine, toks, *_ = recorded[0]

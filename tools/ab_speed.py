@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--target", default=None, help="GGUF (default: the catalog's default target)")
     args = ap.parse_args()
     if args.target is None:
-        from via_edge import models as catalog
+        from via_edge.weights import catalog
         args.target = str(catalog.resolve(catalog.pair(None)["target"]))
     checkouts = {"base": args.base.resolve(), "new": args.new.resolve()}
     jobs = [(name, mode) for mode in args.modes.split(",") for name in checkouts]

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from via_edge import models as catalog
 from via_edge.llama import LlamaModel, LoadParams
+from via_edge.weights import catalog
 
 Step = list  # one decode_batch's parts: [(seq, tokens, rows)]
 Case = Callable[[LlamaModel], list[Step]]  # the decodes one case makes, timed as a sum

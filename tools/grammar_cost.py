@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from via_edge import Engine
-from via_edge import constraints
 from via_edge.bench.suite import load_prompts
+from via_edge.decode import constraints
 
 spent = [0.0]
 depth = [0]

@@ -18,8 +18,8 @@ BATCHES = (1, 2, 4, 8, 16)
 
 
 def child(paths: list[str], ctx: int, repeats: int) -> None:
+    from via_edge.decode.costs import measure
     from via_edge.llama import LlamaModel, LoadParams
-    from via_edge.costs import measure
 
     models = {p: LlamaModel(p, LoadParams(n_ctx=2048)) for p in paths}
     fill = list(range(1000, 1000 + ctx + max(BATCHES)))

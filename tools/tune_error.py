@@ -27,13 +27,13 @@ from collections import defaultdict
 from pathlib import Path
 
 from via_edge import Engine
-from via_edge import models as catalog
 from via_edge.bench.metrics import geomean
-from via_edge.spec import SpecParams
-from via_edge.drafters import CopyDrafter, CopyPolicy
-from via_edge.costs import CostProfile
+from via_edge.decode.costs import CostProfile
+from via_edge.decode.drafters import CopyDrafter, CopyPolicy
+from via_edge.decode.spec import SpecParams
 from via_edge.tune.record import calibration_prompts, record, slim_traces
 from via_edge.tune.replay import replay
+from via_edge.weights import catalog
 
 FACTORS = ("prompts", "path", "prices", "python")
 

@@ -1,8 +1,9 @@
 """via-edge: speculative decoding with intra-model routing (VIA-SD) for local LLMs on llama.cpp."""
 
-from .spec import SpecParams
+from .decode.sampling import SamplingParams
+from .decode.spec import SpecParams
+from .decode.stats import Stats
 from .engine import Engine, Request
-from .results import Piece, Result, Stream
 from .errors import (
     CatalogError,
     ContextOverflowError,
@@ -13,8 +14,7 @@ from .errors import (
     ModelFileError,
     ViaEdgeError,
 )
-from .sampling import SamplingParams
-from .stats import Stats
+from .results import Piece, Result, Stream
 from .version import VERSION as __version__
 
 __all__ = [

@@ -12,7 +12,7 @@ Whichever thread decodes, llama.cpp's work itself always runs on the adapter's o
 thread (llama/runtime.py, `_ComputeThread`: a second OpenMP team makes every barrier sleep;
 docs/benchmarks.md section 21).
 
-The decoding policy (decoding.Decoder) does not change: it still makes one call at a time, so
+The decoding policy (decode.loop.Decoder) does not change: it still makes one call at a time, so
 every mode batches, drafts and slim checks included.
 """
 

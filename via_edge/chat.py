@@ -13,10 +13,10 @@ import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator, TextIO
 
+from .decode.modes import COPY, DRAFT, MODE_NAMES, SLIM, TARGET
+from .decode.stats import Stats
 from .engine import Engine
 from .errors import ViaEdgeError
-from .modes import COPY, DRAFT, MODE_NAMES, SLIM, TARGET
-from .stats import Stats
 
 COLOURS = {DRAFT: "\033[32m", COPY: "\033[36m", SLIM: "\033[33m", TARGET: "\033[34m"}
 RESET = "\033[0m"

@@ -1,16 +1,15 @@
 """llama-cpp-python's `Llama` on a via-edge engine: existing code switches by changing one import.
-The response shapes themselves are responses.py's."""
+The response shapes themselves are openai_api/responses.py's."""
 
 from __future__ import annotations
 
 from typing import Iterator, Mapping, Sequence
 
+from .decode.modes import DEFAULT_MODE
 from .engine import Engine
 from .errors import InvalidParameterError
 from .llama import LoadParams
-from .modes import DEFAULT_MODE
-from .responses import create_chat_completion, create_completion
-
+from .openai_api.responses import create_chat_completion, create_completion
 
 # llama-cpp-python's constructor: knobs of speed or logging only, taken whatever their value...
 _LOAD_SPEED_ONLY = ("n_batch", "n_ubatch", "n_threads_batch", "use_mmap", "use_mlock", "numa", "verbose",

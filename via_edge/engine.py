@@ -19,25 +19,25 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from . import formats
-from .constraints import Constraint, LogitRules, grammar_text
-from .decoding import Decoder
+from .decode.constraints import Constraint, LogitRules, grammar_text
+from .decode.loop import Decoder
+from .decode.modes import DEFAULT_MODE, TARGET, check_logprobs, mode_info
+from .decode.sampling import SamplingParams
+from .decode.scores import ScoredModel, TokenLogprobs
+from .decode.spec import SpecParams
+from .decode.stats import Stats
+from .decode.text import StopMatcher, StreamDecoder
 from .errors import ContextOverflowError, InvalidParameterError
-from .gguf_info import read_info
 from .llama import MAX_SEQ, GrammarState, LlamaModel, LoadParams, common_prefix
-from .loading import Loader, Models, Progress, model_file, pair_arguments
-from .modes import DEFAULT_MODE, TARGET, check_logprobs, mode_info
+from .loading import Loader, Models, model_file, pair_arguments
+from .openai_api.toolcalls import Tools, constrain, parse_calls, template_messages
 from .prompts import chat_tokens
 from .results import BatchResult, Piece, Result, Stream, drain
-from .sampling import SamplingParams
-from .scores import ScoredModel, TokenLogprobs
-from .slim import parse_layers, slice_seq_state
 from .slots import Slot, SlotPool
-from .spec import SpecParams
-from .stats import Stats
-from .text import StopMatcher, StreamDecoder
-from .tools import Tools, constrain, parse_calls, template_messages
-from .tuned import TunedConfig
+from .tune.store import TunedConfig
+from .weights import formats
+from .weights.gguf_info import read_info
+from .weights.slim import parse_layers, slice_seq_state
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 
@@ -105,7 +105,7 @@ class Engine:
         self.load = replace(load, **load_fields, n_seq=n_parallel, kv_unified=n_parallel > 1)
         self.n_parallel = n_parallel
         self._slim_kv = slim_kv
-        self.target_path = model_file(target, pull_missing, f32)  # f32: see slim.build_f32
+        self.target_path = model_file(target, pull_missing, f32)  # f32: see formats.build_f32
         self.model_name = self.target_path.stem if Path(str(target)).suffix == ".gguf" else str(target)
         n_block = read_info(self.target_path).block_count  # bad layer sets fail before weights load
         for layers in (draft_layers, slim_layers):
@@ -133,7 +133,7 @@ class Engine:
 
     @property
     def weight_format(self) -> str:
-        """The target's format: a derived recipe (formats.py) or the file's own quantization."""
+        """The target's format: a derived recipe (weights/formats.py) or the file's own quantization."""
         return formats.format_name(self.target_path)
 
     @property
@@ -170,7 +170,7 @@ class Engine:
 
     # ---- prompts --------------------------------------------------------------------------------
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]], tools: Tools | None = None) -> list[int]:
-        """The prompt tokens of a conversation; with `tools` (tools.Tools), the functions too, and
+        """The prompt tokens of a conversation; with `tools` (toolcalls.Tools), the functions too, and
         earlier calls and results however the model's template takes them."""
         msgs, offered = template_messages(messages, tools, self.target.chat_template)
         return chat_tokens(self.target, msgs, offered)
@@ -218,7 +218,7 @@ class Engine:
         A str prompt gets the model's chat template unless `chat_template=False`; a token list is
         used as is. `temperature=0` is greedy. `grammar` (GBNF) or `response_format` (OpenAI's:
         JSON, or JSON matching a schema) constrains every mode's output; `logit_bias` (token id ->
-        -100..100) and the penalties change the logits of target and drafts alike (constraints.py).
+        -100..100) and the penalties change the logits of target and drafts alike (decode/constraints.py).
         `logprobs=n` (0..20) gives the result the target's log-probability of each token and its n
         likeliest alternatives.
         """

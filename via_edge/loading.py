@@ -9,16 +9,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from . import formats
-from . import models as catalog
-from .costs import batch_cost
-from .drafters import check_compatible
+from .decode.costs import batch_cost
+from .decode.drafters import check_compatible
+from .decode.modes import DEFAULT_MODE, mode_info
+from .decode.spec import SpecParams
 from .errors import InvalidParameterError
 from .llama import LlamaModel, LoadParams
-from .modes import DEFAULT_MODE, mode_info
-from .slim import build_f32, build_slim, is_prefix, slim_source, target_sha256
-from .spec import SpecParams
-from .tuned import TunedConfig, load_choice
+from .tune.store import TunedConfig, load_choice
+from .weights import catalog, formats
+from .weights.formats import build_f32
+from .weights.slim import build_slim, is_prefix, slim_source, target_sha256
 
 Progress = Callable[[str, float], None]  # (what is loading, fraction done)
 
@@ -39,7 +39,7 @@ class Models:
 
 def model_file(spec: str | Path, pull_missing: bool = False, f32: bool = False) -> Path:
     """A model file: a path, or a catalog name (fetched when allowed); its F32 copy with `f32`
-    (slim.build_f32)."""
+    (formats.build_f32)."""
     path = catalog.resolve(spec, pull_missing=pull_missing)
     return build_f32(path) if f32 else path
 

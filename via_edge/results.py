@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from .modes import Mode, Origin, Tier
-from .scores import TokenLogprobs
-from .stats import Stats
+from .decode.modes import Mode, Origin, Tier
+from .decode.scores import TokenLogprobs
+from .decode.stats import Stats
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence, TypeVar
 
 from .batching import BatchedSeq, Scheduler
-from .drafters import CopyDrafter, CopyPolicy, Drafter, ModelDrafter
+from .decode.drafters import CopyDrafter, CopyPolicy, Drafter, ModelDrafter
+from .decode.modes import mode_info
+from .decode.scores import ScoredModel
 from .llama import common_prefix
 from .loading import Models
-from .modes import mode_info
-from .scores import ScoredModel
 
 T = TypeVar("T")
 

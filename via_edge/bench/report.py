@@ -7,10 +7,11 @@ from collections import defaultdict
 from pathlib import Path
 
 from .. import plotting
+from ..decode.modes import LOSSLESS
 from ..errors import InvalidParameterError
 from ..files import write_text
-from ..modes import LOSSLESS
-from .metrics import fidelity, fmt as _f, geomean, spread
+from .metrics import fidelity, geomean, spread
+from .metrics import fmt as _f
 from .peers import PEERS
 
 

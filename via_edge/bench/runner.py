@@ -13,16 +13,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .. import models as catalog
-from ..spec import SpecParams
+from ..decode.modes import MODE_NAMES
+from ..decode.spec import SpecParams
 from ..engine import Engine
-from ..machine import machine, versions
-from ..modes import MODE_NAMES
-from ..progress import StatusLine
 from ..errors import InvalidParameterError
 from ..llama import EXACT, EXACT_F32, LoadParams, default_threads
-from ..slim import target_sha256
-from ..tuned import load_choice
+from ..machine import machine, versions
+from ..progress import StatusLine
+from ..tune.store import load_choice
+from ..weights import catalog
+from ..weights.slim import target_sha256
 from .peers import PEERS, Peer
 from .report import summarize
 from .suite import Prompt, load_prompts

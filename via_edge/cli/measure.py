@@ -10,12 +10,12 @@ from typing import List, Optional, Tuple
 import typer
 
 from ..batching import DEFAULT_PARALLEL
-from ..constraints import grammar_text
-from ..spec import SpecParams
+from ..decode.constraints import grammar_text
+from ..decode.modes import MODE_NAMES
+from ..decode.spec import SpecParams
 from ..errors import ViaEdgeError
 from ..files import write_text
 from ..llama import MAX_SEQ
-from ..modes import MODE_NAMES
 from ..tune.survey import QUALITY_FLOOR, check_floor
 from .app import app
 from .models import format_names
@@ -186,7 +186,8 @@ def tune(
     configuration offline, check the prediction with a real run, and store the choice generate,
     chat, serve and the API then use."""
     from ..tune.report import write_outputs
-    from ..tune.tuner import TuneConfig, tune as run_tune
+    from ..tune.tuner import TuneConfig
+    from ..tune.tuner import tune as run_tune
 
     check_range("ctx", ctx, 16, 1 << 20)
     check_range("threads", threads, 1, 1024)

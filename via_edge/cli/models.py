@@ -7,11 +7,11 @@ from typing import List, Optional
 
 import typer
 
-from .. import derived, models as catalog
 from ..errors import InvalidParameterError, ViaEdgeError
 from ..files import write_text
-from ..formats import AMX_FORMATS, FORMAT_NAMES, OTHER_FORMATS, check_names, default_formats
 from ..tune.survey import QUALITY_FLOOR, check_floor
+from ..weights import catalog, derived
+from ..weights.formats import AMX_FORMATS, FORMAT_NAMES, OTHER_FORMATS, check_names, default_formats
 from .app import models_app, slim_app
 from .options import check_range, doing, err, shared
 
@@ -166,7 +166,7 @@ def slim_build(
                                        "there is replaced only if it is this very slim."),
 ) -> None:
     """Write the derived GGUF of TARGET's chosen blocks (reused when present)."""
-    from ..slim import build_slim
+    from ..weights.slim import build_slim
 
     doing("building the slim", "no file was left under the output name")
     typer.echo(str(build_slim(catalog.resolve(target, pull_missing=True), layers, out)))

@@ -17,14 +17,14 @@ from typing import Any, Callable, Optional, get_type_hints
 
 import typer
 
-from ..spec import SpecParams
+from ..decode.modes import DEFAULT_MODE, MODE_NAMES
+from ..decode.sampling import SamplingParams
+from ..decode.spec import SpecParams
 from ..engine import Engine
 from ..errors import ViaEdgeError
 from ..llama import EXACT, MAX_SEQ, LoadParams
-from ..modes import DEFAULT_MODE, MODE_NAMES
 from ..progress import StatusLine
-from ..sampling import SamplingParams
-from ..slim import parse_layers
+from ..weights.slim import parse_layers
 
 # what Ctrl-C interrupts, said when it does (set by each command as it goes)
 activity = {"doing": "the command", "kept": "nothing was written"}

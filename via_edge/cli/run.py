@@ -9,13 +9,12 @@ from typing import List, Optional
 
 import typer
 
-from .. import models as catalog
 from ..batching import DEFAULT_PARALLEL
+from ..decode.modes import DEFAULT_MODE
 from ..errors import ViaEdgeError
-from ..modes import DEFAULT_MODE
+from ..weights import catalog
 from .app import app
-from .options import MODEL_OPTS, RUN_OPTS, SAMPLING_OPTS, SPEC_OPTS, Options, doing, err, mode_opt, shared, \
-    tuning_hint
+from .options import MODEL_OPTS, RUN_OPTS, SAMPLING_OPTS, SPEC_OPTS, Options, doing, err, mode_opt, shared, tuning_hint
 
 
 @app.command()
@@ -32,7 +31,7 @@ def generate(
     opts: Options = None,
 ) -> None:
     """Generate text for PROMPT with the target alone (ar) or speculatively (sd, via, hier, lookup)."""
-    from ..responses import timings
+    from ..openai_api.responses import timings
 
     text = _read_prompt(prompt, prompt_file)
     with opts.engine(mode) as engine:
@@ -136,7 +135,7 @@ def info() -> None:
     choices live. Tuned choices are kept per machine and build: one made on another is not used."""
     from ..llama import default_threads, rpc
     from ..machine import build, cpu_name, has_amx, machine_key, versions
-    from ..tuned import tuned_dir
+    from ..tune.store import tuned_dir
 
     b, v = build(), versions()
     typer.echo(f"via-edge {v['via_edge']}, llama-cpp-python {v['llama-cpp-python']}")

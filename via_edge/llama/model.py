@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from ..errors import ContextOverflowError, InvalidParameterError, ModelFileError, RemoteDeviceError
-from ..gguf_info import read_info
+from ..weights.gguf_info import read_info
 from . import rpc
 from .capture import Capture
 from .grammar import GrammarState

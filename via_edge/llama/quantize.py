@@ -1,4 +1,4 @@
-"""llama_model_quantize: derived weight formats (formats.py decides which, this only runs it)."""
+"""llama_model_quantize: derived weight formats (weights/formats.py decides which, this only runs it)."""
 
 from __future__ import annotations
 

@@ -28,10 +28,10 @@ from typing import Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ..responses import Call, respond
 from ..engine import Engine
 from ..errors import RemoteDeviceError, ViaEdgeError
 from ..llama import rpc
+from ..openai_api.responses import Call, respond
 from .dispatch import Dispatcher
 from .protocol import ChatBody, CompletionBody, HTTPError, Requests
 

@@ -10,11 +10,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
+from ..decode.modes import MODE_NAMES
 from ..engine import Engine
 from ..errors import ContextOverflowError, InvalidParameterError
-from ..modes import MODE_NAMES
-from ..responses import Call, prepare
-from ..tools import Tools
+from ..openai_api.responses import Call, prepare
+from ..openai_api.toolcalls import Tools
 
 
 class _StreamOptions(BaseModel):
@@ -79,7 +79,7 @@ class _Message(BaseModel):
     tool_call_id: StrictStr | None = None
 
     def turn(self, i: int) -> dict:
-        """Message `i` as the chat template takes it (tools.template_messages does the rest)."""
+        """Message `i` as the chat template takes it (toolcalls.template_messages does the rest)."""
         text = self.content if isinstance(self.content, str) or self.content is None else \
             "".join(p.text for p in self.content)
         if text is None and not (self.role == "assistant" and self.tool_calls):

@@ -9,10 +9,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from ..bench.metrics import geomean
-from ..spec import SpecParams
-from ..modes import LOSSLESS
+from ..decode.drafters import CopyDrafter
+from ..decode.modes import LOSSLESS
+from ..decode.spec import SpecParams
 from .record import SlimTrace, Trace
-from ..drafters import CopyDrafter
 from .replay import copy_policy, predicted_agreement, replay
 
 
@@ -28,7 +28,7 @@ class Candidate:
     error_rate: float = 0.0        # committed tokens differing from the target's (via only)
     fidelity: float = 1.0          # predicted position-wise agreement at the output length
     tiers: dict = field(default_factory=dict)
-    format: str = "shipped"        # the weight format of target and slim (formats.py)
+    format: str = "shipped"        # the weight format of target and slim (weights/formats.py)
 
     @property
     def lossless(self) -> bool:

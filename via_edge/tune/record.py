@@ -15,7 +15,7 @@ import numpy as np
 
 from ..bench.suite import EDIT, SPEC_BENCH, Prompt, packaged_rows, to_prompt
 from ..llama import LlamaModel
-from ..quality import greedy_continuations
+from ..weights.quality import greedy_continuations
 
 
 @dataclass

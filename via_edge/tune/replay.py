@@ -1,4 +1,4 @@
-"""Offline replay: the real decoding loop (`decoding.Decoder`) driven by recorded traces instead of
+"""Offline replay: the real decoding loop (`decode.loop.Decoder`) driven by recorded traces instead of
 models, every model call priced with the cost profile, to predict speed and fidelity.
 
 Each model of the pair is a `TraceModel`: it answers the loop's questions (argmax, routing ratio,
@@ -27,14 +27,14 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from ..costs import Cost, verify_cost
-from ..decoding import Decoder
-from ..spec import SpecParams
-from ..drafters import CopyDrafter, CopyPolicy, ModelDrafter
+from ..decode.costs import Cost, verify_cost
+from ..decode.drafters import CopyDrafter, CopyPolicy, ModelDrafter
+from ..decode.loop import Decoder
+from ..decode.modes import Origin, Tier, mode_info
+from ..decode.sampling import SamplingParams
+from ..decode.spec import SpecParams
+from ..decode.stats import Stats
 from ..llama import common_prefix, reuse_point
-from ..modes import Origin, Tier, mode_info
-from ..sampling import SamplingParams
-from ..stats import Stats
 from .record import SlimTrace, Trace
 
 GREEDY = SamplingParams()

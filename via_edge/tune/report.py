@@ -8,7 +8,7 @@ from .. import plotting
 from ..bench.metrics import fmt as _f
 from ..files import write_json, write_text
 from ..machine import machine_key
-from ..tuned import tuned_dir
+from .store import tuned_dir
 
 COLORS = {"ar": "black", "sd": "tab:blue", "lookup": "tab:green", "hier": "tab:purple", "via": "tab:orange"}
 

@@ -110,6 +110,6 @@ class Search:
 
 
 def _fmt(layers: Layers) -> str:
-    from ..slim import format_layers
+    from ..weights.slim import format_layers
 
     return format_layers(layers)

@@ -13,14 +13,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from .. import formats
+from ..decode import costs
 from ..errors import InvalidParameterError, ViaEdgeError
-from ..llama import LlamaModel, LoadParams
 from ..files import write_json
+from ..llama import LlamaModel, LoadParams
 from ..machine import build
-from ..models import model_dir, sha256_cached
-from ..quality import Quality, compare, greedy_continuations
-from .. import costs
+from ..weights import formats
+from ..weights.catalog import model_dir, sha256_cached
+from ..weights.quality import Quality, compare, greedy_continuations
 
 SURVEY_BATCHES = (1, 2, 4, 8, 16)  # 4 and 16: the repack kernels' row blocks
 SURVEY_CONTEXT = 384

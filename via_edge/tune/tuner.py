@@ -25,25 +25,23 @@ from typing import Callable
 
 import numpy as np
 
-from .. import formats
-from .. import models as catalog
 from ..bench.metrics import fidelity, geomean
-from ..spec import SpecParams
+from ..decode import costs
+from ..decode.spec import SpecParams
 from ..engine import Engine
-from ..derived import derived_files, in_use, remove
 from ..errors import InvalidParameterError, ViaEdgeError
-from ..gguf_info import read_info
+from ..files import write_json
 from ..llama import LlamaModel, LoadParams, default_threads
 from ..machine import machine, machine_key, versions
-from ..slim import build_slim, format_layers, is_prefix
-from ..files import write_json
-from ..tuned import TunedConfig, load_choice, tuned_path
-from .. import costs
-from .choose import (Candidate, best_per_mode, choose, copy_drafting_over_ar, final_choice, frontier, grid,
-                     predict)
 from ..prompts import chat_tokens
+from ..weights import catalog, formats
+from ..weights.derived import derived_files, in_use, remove
+from ..weights.gguf_info import read_info
+from ..weights.slim import build_slim, format_layers, is_prefix
+from .choose import Candidate, best_per_mode, choose, copy_drafting_over_ar, final_choice, frontier, grid, predict
 from .record import SlimTrace, Trace, calibration_prompts, capture_names, record, slim_traces
 from .search import Search
+from .store import TunedConfig, load_choice, tuned_path
 from .survey import QUALITY_FLOOR, FormatRow, check_floor, pick, survey, table
 
 

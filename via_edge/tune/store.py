@@ -11,11 +11,11 @@ import logging
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from . import models as catalog
-from .spec import SpecParams
-from .errors import ViaEdgeError
-from .files import read_json
-from .machine import machine_key
+from ..decode.spec import SpecParams
+from ..errors import ViaEdgeError
+from ..files import read_json
+from ..machine import machine_key
+from ..weights import catalog
 
 log = logging.getLogger("via_edge.tuned")
 
@@ -37,7 +37,7 @@ class TunedConfig:
     slim_layers: str | None                    # the slim verifier the search found
     modes: dict[str, dict] = field(default_factory=dict)  # mode -> SpecParams fields for that mode
     summary: str = ""                          # one line: what was chosen and why
-    target_format: str = "shipped"             # weight format of the target (formats.py recipe)
+    target_format: str = "shipped"             # weight format of the target (weights/formats.py recipe)
     draft_format: str = "shipped"              # and of the draft model
     formats: list[str] = field(default_factory=list)  # the formats the tune tried
 

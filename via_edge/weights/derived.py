@@ -8,11 +8,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import models as catalog
-from .errors import ViaEdgeError
+from ..errors import ViaEdgeError
+from ..tune.store import all_choices
+from . import catalog
 from .formats import variant_source
 from .slim import format_layers, slim_source
-from .tuned import all_choices
 
 _F32 = re.compile(r"\.f32-([0-9a-f]{12})\.gguf$")
 

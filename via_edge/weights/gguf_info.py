@@ -7,11 +7,11 @@ here with one clear message, before llama.cpp gets a chance to print its own.
 from __future__ import annotations
 
 import os
-from functools import lru_cache
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
-from .errors import ModelFileError
+from ..errors import ModelFileError
 
 GGUF_MAGIC = b"GGUF"
 
@@ -97,3 +97,19 @@ def read_info(path: str | os.PathLike) -> GGUFInfo:
         file_size=Path(path).stat().st_size,
         tied_embeddings="output.weight" not in tensor_names,
     )
+
+
+def write_atomically(writer, tmp: Path, dest: Path, arrays) -> None:
+    """Header, metadata, tensor infos, then each array of `arrays`; renamed only when complete."""
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for array in arrays:
+            writer.write_tensor_data(array)
+        writer.close()
+        tmp.replace(dest)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .errors import CatalogError, DownloadError, ModelFileError
-from .files import writable_dir
-from .progress import StatusLine
+from ..errors import CatalogError, DownloadError, ModelFileError
+from ..files import writable_dir
+from ..progress import StatusLine
 
 CATALOG_FILE = "catalog.json"
 CHUNK = 1 << 20
@@ -38,8 +38,9 @@ def _catalog_path() -> Path:
     """`VIA_EDGE_CATALOG` if set, else the tracked models/catalog.json (or its packaged copy)."""
     if os.environ.get("VIA_EDGE_CATALOG"):
         return Path(os.environ["VIA_EDGE_CATALOG"])
-    repo_copy = Path(__file__).resolve().parent.parent / "models" / CATALOG_FILE
-    return repo_copy if repo_copy.exists() else Path(__file__).resolve().parent / "data" / CATALOG_FILE
+    package = Path(__file__).resolve().parents[1]  # via_edge/
+    repo_copy = package.parent / "models" / CATALOG_FILE
+    return repo_copy if repo_copy.exists() else package / "data" / CATALOG_FILE
 
 
 def load_catalog() -> dict:

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import numpy as np
 
-from .errors import IncompatibleModelsError
-from .llama import LlamaModel, common_prefix
+from ..errors import IncompatibleModelsError
+from ..llama import LlamaModel, common_prefix
 from .modes import COPY, DRAFT, Origin
 from .sampling import Dist, SamplingParams
 from .scores import Scorer

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .llama.usage import ModelUsage
 from dataclasses import asdict, dataclass, field, fields
 
+from ..llama.usage import ModelUsage
 from .modes import COPY, DRAFT, SLIM, Origin, Tier
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from .errors import InvalidParameterError
+from ..errors import InvalidParameterError
 
 Mode = Literal["ar", "sd", "lookup", "via", "hier"]
 Origin = Literal["draft", "copy", "slim", "target"]  # who produced a committed token (copy: the context)

@@ -17,12 +17,11 @@ import re
 import struct
 from pathlib import Path
 
-import numpy as np
-
-from .errors import LayerSpecError, ModelFileError, ViaEdgeError
-from .files import writable_dir
-from .gguf_info import field_value, open_reader
-from .models import model_dir, sha256_cached as target_sha256
+from ..errors import LayerSpecError, ModelFileError, ViaEdgeError
+from ..files import writable_dir
+from .catalog import model_dir
+from .catalog import sha256_cached as target_sha256
+from .gguf_info import field_value, open_reader, write_atomically
 
 # architectures whose layers alternate attention kinds by index (period): renumbering must keep
 # every kept block's index modulo the period, or its sliding-window/global kind changes
@@ -100,22 +99,6 @@ def slim_path(target: Path, layers: tuple[int, ...], sha: str) -> Path:
     return derived_dir(target) / f"{target.stem}.slim{SLIM_FORMAT}-{sha[:12]}-L{spec}.gguf"
 
 
-def _write_atomically(writer, tmp: Path, dest: Path, arrays) -> None:
-    """Header, metadata, tensor infos, then each array of `arrays`; renamed only when complete."""
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for array in arrays:
-            writer.write_tensor_data(array)
-        writer.close()
-        tmp.replace(dest)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def build_slim(target: str | os.PathLike, spec: str, out: str | os.PathLike | None = None) -> Path:
     """Write (or reuse) the derived GGUF for `spec`; returns its path."""
     import gguf
@@ -177,7 +160,7 @@ def build_slim(target: str | os.PathLike, spec: str, out: str | os.PathLike | No
             kept.append((t.name, t))
     for name, t in kept:
         writer.add_tensor_info(name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-    _write_atomically(writer, tmp, dest, (t.data for _, t in kept))
+    write_atomically(writer, tmp, dest, (t.data for _, t in kept))
     return dest
 
 
@@ -186,43 +169,6 @@ def _is_slim_of(path: Path, layers: tuple[int, ...], sha: str) -> bool:
         return slim_source(path) == (layers, sha)
     except ViaEdgeError:  # not a GGUF, truncated, or a foreign layer set
         return False
-
-
-def build_f32(source: str | os.PathLike) -> Path:
-    """An F32 copy of a quantized GGUF (reused when present), for exact tests and the quick bench.
-
-    Quantized matmuls take different kernels for one token and for a batch, so a batched
-    verification can differ from single-token decoding by far more than rounding (SmolLM2 Q4_1:
-    up to 0.6 in a logit). With F32 weights (and an F32 KV cache) they agree to ~1e-5, which is
-    what makes greedy `sd` reproduce `ar` token for token on a real model.
-    """
-    import gguf
-
-    source = Path(source)
-    reader = open_reader(source)
-    arch = field_value(reader, "general.architecture")
-    parent = derived_dir(source)
-    dest = parent / f"{source.stem}.f32-{target_sha256(source)[:12]}.gguf"
-    if dest.exists():
-        return dest
-    writable_dir(parent, f"the F32 copy of {source.name}")
-    tmp = dest.with_name(dest.name + ".partial")
-    writer = gguf.GGUFWriter(str(tmp), arch)
-    for fld in reader.fields.values():
-        if fld.name.startswith("GGUF.") or fld.name == "general.architecture":
-            continue
-        vtype = fld.types[0]
-        value = fld.contents()
-        if fld.name == "general.file_type":
-            value = int(gguf.LlamaFileType.ALL_F32)
-        writer.add_key_value(fld.name, value, vtype,
-                             sub_type=fld.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
-    shapes = [tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors]
-    for t, shape in zip(reader.tensors, shapes):
-        writer.add_tensor_info(t.name, shape, np.float32, int(np.prod(shape)) * 4, gguf.GGMLQuantizationType.F32)
-    _write_atomically(writer, tmp, dest, (gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-                                          .reshape(shape) for t, shape in zip(reader.tensors, shapes)))
-    return dest
 
 
 def slim_source(path: str | os.PathLike) -> tuple[tuple[int, ...], str] | None:

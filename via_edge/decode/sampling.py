@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from .errors import InvalidParameterError
+from ..errors import InvalidParameterError
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from .llama import LlamaModel
+from ..llama import LlamaModel
 from .sampling import Dist, SamplingParams, dist, ratio_to_top, top_prob
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import InvalidParameterError
+from ..errors import InvalidParameterError
 
 ROUTES = ("slim", "draft", "both")  # what the via tier's routing score is read from
 NGRAM_LIMIT = 16  # longest n-gram the copy index keeps: longer anchors add nothing a run does not say

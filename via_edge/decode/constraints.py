@@ -22,8 +22,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .errors import InvalidParameterError
-from .llama import GrammarState
+from ..errors import InvalidParameterError
+from ..llama import GrammarState
 from .sampling import Dist, SamplingParams, dist
 from .scores import LogitRows
 

@@ -22,16 +22,15 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
+from ..errors import InvalidParameterError
+from ..llama import common_prefix
 from .constraints import Constraint
 from .drafters import Draft, Drafter
-from .errors import InvalidParameterError
-from .llama import common_prefix
 from .modes import DRAFT, SLIM, TARGET, Origin, Tier, mode_info
 from .sampling import Dist, SamplingParams
-from .spec import SpecParams
 from .scores import Rows, Scorer, TokenLogprobs
+from .spec import SpecParams
 from .stats import Stats
-
 
 
 class Committed(NamedTuple):

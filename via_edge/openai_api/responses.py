@@ -13,11 +13,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from .engine import MAX_LOGPROBS, Engine, Request
-from .errors import InvalidParameterError
-from .results import Result, Stream
-from .scores import TokenLogprobs
-from .tools import CallStream, Tools, constrain, parse_calls
+from ..decode.scores import TokenLogprobs
+from ..engine import MAX_LOGPROBS, Engine, Request
+from ..errors import InvalidParameterError
+from ..results import Result, Stream, drain
+from .toolcalls import CallStream, Tools, constrain, parse_calls
 
 # llama-cpp-python's create_completion defaults, so a switched program behaves the same
 DEFAULTS = dict(max_tokens=16, temperature=0.8, top_p=0.95, top_k=40, min_p=0.05)
@@ -183,7 +183,7 @@ class _Shape:
     def _tool_chunks(self, stream: Stream) -> Iterator[dict]:
         """Chat chunks with calls as OpenAI streams them: a delta naming the call (id, function,
         empty arguments), then one with the arguments. Text that may open a call waits until it
-        is one or is not (tools.CallStream); logprobs ride on the next chunk that goes out."""
+        is one or is not (toolcalls.CallStream); logprobs ride on the next chunk that goes out."""
         split, pending, calls = CallStream(), [], []
 
         def out(parts, lps) -> Iterator[dict]:
@@ -253,9 +253,7 @@ def respond(engine: Engine, call: Call, stream: bool = False, *, include_usage: 
     head = call.prompt_text if call.echo else ""
     if stream:
         return shape.chunks(pieces, include_usage, head, len(call.prompt_text))
-    for _ in pieces:
-        pass
-    return shape.whole(pieces.result, head, len(call.prompt_text))
+    return shape.whole(drain(pieces), head, len(call.prompt_text))
 
 
 def create_completion(engine: Engine, prompt: str | Sequence[int], *, stream: bool = False, echo: bool = False,

@@ -20,11 +20,13 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import InvalidParameterError, ModelFileError, ViaEdgeError
-from .files import writable_dir
-from .gguf_info import field_value, open_reader
-from .llama import quantize
-from .models import ByteProgress, sha256_cached
+import numpy as np
+
+from ..errors import InvalidParameterError, ModelFileError, ViaEdgeError
+from ..files import writable_dir
+from ..llama import quantize
+from .catalog import ByteProgress, sha256_cached
+from .gguf_info import field_value, open_reader, write_atomically
 from .slim import derived_dir
 
 SHIPPED = "shipped"
@@ -62,7 +64,7 @@ OTHER_FORMATS = (SHIPPED, "q4_k", "q4_0", "iq4_nl", "q4_0-q8head")
 def default_formats() -> tuple[str, ...]:
     """The formats the format step tries on this build: with AMX kernels, Q4_0 and Q8_0 (pure and
     with the source's LM head) beside IQ4_NL, which AMX does not run; elsewhere the repacked ones."""
-    from .llama import system_info
+    from ..llama import system_info
 
     return AMX_FORMATS if "AMX_INT8 = 1" in system_info() else OTHER_FORMATS
 
@@ -96,7 +98,8 @@ def variant_source(path: Path) -> tuple[str, str] | None:
 
 def estimate_size(source: Path, r: Recipe) -> int:
     """Bytes the variant will take: quantized tensors at the recipe's bits per weight, others copied."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as T
 
     total = 0
     head_name = lm_head(source)
@@ -216,3 +219,40 @@ def format_name(path: Path) -> str:
     except (TypeError, ValueError):
         types = {t for t in tensor_types(path).values() if t not in ("F32", "F16", "BF16")}
         return "+".join(sorted(types)) or "F32"
+
+
+def build_f32(source: str | os.PathLike) -> Path:
+    """An F32 copy of a quantized GGUF (reused when present), for exact tests and the quick bench.
+
+    Quantized matmuls take different kernels for one token and for a batch, so a batched
+    verification can differ from single-token decoding by far more than rounding (SmolLM2 Q4_1:
+    up to 0.6 in a logit). With F32 weights (and an F32 KV cache) they agree to ~1e-5, which is
+    what makes greedy `sd` reproduce `ar` token for token on a real model.
+    """
+    import gguf
+
+    source = Path(source)
+    reader = open_reader(source)
+    arch = field_value(reader, "general.architecture")
+    parent = derived_dir(source)
+    dest = parent / f"{source.stem}.f32-{sha256_cached(source)[:12]}.gguf"
+    if dest.exists():
+        return dest
+    writable_dir(parent, f"the F32 copy of {source.name}")
+    tmp = dest.with_name(dest.name + ".partial")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    for fld in reader.fields.values():
+        if fld.name.startswith("GGUF.") or fld.name == "general.architecture":
+            continue
+        vtype = fld.types[0]
+        value = fld.contents()
+        if fld.name == "general.file_type":
+            value = int(gguf.LlamaFileType.ALL_F32)
+        writer.add_key_value(fld.name, value, vtype,
+                             sub_type=fld.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    shapes = [tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors]
+    for t, shape in zip(reader.tensors, shapes):
+        writer.add_tensor_info(t.name, shape, np.float32, int(np.prod(shape)) * 4, gguf.GGMLQuantizationType.F32)
+    write_atomically(writer, tmp, dest, (gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+                                          .reshape(shape) for t, shape in zip(reader.tensors, shapes)))
+    return dest

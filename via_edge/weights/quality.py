@@ -16,11 +16,11 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from .decoding import Decoder
-from .llama import LlamaModel
-from .sampling import SamplingParams
-from .scores import ScoredModel
-from .stats import Stats
+from ..decode.loop import Decoder
+from ..decode.sampling import SamplingParams
+from ..decode.scores import ScoredModel
+from ..decode.stats import Stats
+from ..llama import LlamaModel
 
 PPL_TEXT = "textwrap.py.txt"   # CPython's Lib/textwrap.py, PSF licence (data/perplexity/LICENSE)
 PPL_TOKENS = 512               # tokens of it scored (prefill runs ~40 tok/s for the 1.5B on 2 cores)

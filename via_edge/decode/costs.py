@@ -25,11 +25,11 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from .errors import ViaEdgeError
-from .files import write_json
-from .llama import LlamaModel
-from .machine import machine_key
-from .models import model_dir, sha256_cached
+from ..errors import ViaEdgeError
+from ..files import write_json
+from ..llama import LlamaModel
+from ..machine import machine_key
+from ..weights.catalog import model_dir, sha256_cached
 
 Cost = Callable[[str, int, int], float]  # (model, tokens, context) -> seconds of one call
 VERIFY_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 33)  # 33: a 32-token draft and the target's own token

@@ -16,8 +16,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
-from .constraints import schema_grammar
-from .errors import InvalidParameterError
+from ..decode.constraints import schema_grammar
+from ..errors import InvalidParameterError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
