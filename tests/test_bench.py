@@ -219,3 +219,39 @@ def test_an_interrupted_bench_keeps_the_prompts_it_finished(tmp_path):
     assert 1 <= n < 16 and len(res["runs"]) == 2 * n and set(res["summary"]) == {"ar", "lookup"}
     assert {r["prompt_id"] for r in res["runs"]} == {p["id"] for p in res["meta"]["prompts"]}
     assert not (out / "results.json").exists()
+
+
+@pytest.mark.slow
+def test_llama_server_peers_run_on_the_same_prompts_and_weights(tmp_path):
+    """llama.cpp's own server, plain and with --spec-default, beside via-edge's ar in one bench
+    run: both answer every prompt greedily, their speeds are their own timings, and the report
+    compares every method with them."""
+    from via_edge.bench.peers import server_binary
+
+    if server_binary() is None:
+        pytest.skip("llama-server is not built here: bash tools/build_llama_server.sh (a few minutes, once)")
+    out = tmp_path / "run"
+    proc = cli("bench", "--pair", "smollm2", "--modes", "ar", "--peer", "llama-server", "--peer", "llama-server-ngram",
+               "--categories", "coding,summarization", "-n", 24, "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads((out / "results.json").read_text())
+    assert res["meta"]["methods"] == ["ar", "llama-server", "llama-server-ngram"]
+    by = {m: [r for r in res["runs"] if r["method"] == m] for m in res["meta"]["methods"]}
+    assert all(len(v) == 2 for v in by.values())
+    # same weights, greedy: each token the server chose is the argmax of via-edge's own row for it, up
+    # to the kernels' batch-size rounding (<= 0.8 in a logit, docs/design.md "Exactness and kernels";
+    # on long prompts a near tie can therefore start the answers differently)
+    from via_edge import Engine
+
+    prompts = {p.id: p.text for p in load_prompts("spec-bench", ["coding", "summarization"], 1)}
+    with Engine(res["meta"]["models"]["target"]["path"], mode="ar", n_ctx=4096) as engine:
+        for peer in ("llama-server", "llama-server-ngram"):
+            for r in by[peer]:
+                assert r["tok_s"] > 0 and r["generated_tokens"] >= 1
+                toks = r["tokens"][:-1] if engine.target.is_eog(r["tokens"][-1]) else r["tokens"]
+                engine.target.reset()
+                rows = engine.target.seqs[0].eval(engine.tokens_for(prompts[r["prompt_id"]], True) + toks[:-1], len(toks))
+                gaps = [float(rows[i].max() - rows[i][t]) for i, t in enumerate(toks)]
+                assert max(gaps) < 1.0, (peer, r["prompt_id"], gaps)
+    assert "llama-server" in res["summary"]["ar"]["vs_peers"]
+    assert "llama-server-ngram" in (out / "report.md").read_text()

@@ -19,16 +19,8 @@
 # VIA_EDGE_AMX_PATCH (the patch the amx flavor applies; default the one in tools/patches/).
 set -euo pipefail
 
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="${VENV:-$here/.venv}"
-python="${PYTHON:-python3}"
-llama_version="0.3.36"
-cache="${VIA_EDGE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/via-edge/wheels}"
-amx_patch="${VIA_EDGE_AMX_PATCH:-$here/tools/patches/llama-cpp-python-$llama_version-amx-tile-config.patch}"
-
-noamx_flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
--DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
--DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+# shellcheck source=tools/llama_build.sh
+source "$(dirname "${BASH_SOURCE[0]}")/llama_build.sh"
 
 flavor="${VIA_EDGE_LLAMA_FLAVOR:-}"
 if [ -z "$flavor" ]; then
@@ -42,23 +34,6 @@ case "$flavor" in
   *) echo "install.sh: VIA_EDGE_LLAMA_FLAVOR must be amx, noamx or native, not '$flavor'" >&2; exit 2 ;;
 esac
 
-flags_of() {  # the CMake flags of a flavor; every flavor has ggml's RPC backend (via-edge rpc-serve, --rpc)
-  case "$1" in
-    amx) echo "-DGGML_NATIVE=ON -DGGML_RPC=ON ${CMAKE_ARGS:-}" ;;
-    noamx) echo "$noamx_flags -DGGML_RPC=ON ${CMAKE_ARGS:-}" ;;
-    native) echo "-DGGML_RPC=ON ${CMAKE_ARGS:-}" ;;
-  esac
-}
-
-wheel_dir() {  # the cache folder of a flavor: its flags, machine, Python and (amx) patch in the name
-  local patch_hash=none
-  if [ "$1" = amx ]; then patch_hash="$(sha256sum < "$amx_patch" | cut -c1-12)"; fi
-  local key
-  key="$(printf '%s|%s|%s|%s' "$(flags_of "$1")" "$(uname -sm)" \
-    "$("$python" -c 'import sys; print(sys.version_info[:2])')" "$patch_hash" | sha256sum | cut -c1-12)"
-  echo "$cache/llama-cpp-python-$llama_version-$1-$key"
-}
-
 build_wheel() {  # build a flavor's wheel into its cache folder unless it is there
   local fl="$1" wheels
   wheels="$(wheel_dir "$fl")"
@@ -67,14 +42,7 @@ build_wheel() {  # build a flavor's wheel into its cache folder unless it is the
   rm -rf "$wheels.tmp" && mkdir -p "$wheels.tmp"
   local source="llama-cpp-python==$llama_version"
   if [ "$fl" = amx ]; then
-    [ -f "$amx_patch" ] || { echo "install.sh: AMX patch $amx_patch is missing" >&2; return 1; }
-    "$venv/bin/python" -m pip download -q --no-deps --no-binary :all: -d "$wheels.tmp/sdist" "$source"
-    tar -xzf "$wheels.tmp"/sdist/llama_cpp_python-"$llama_version".tar.gz -C "$wheels.tmp/sdist"
-    source="$wheels.tmp/sdist/llama_cpp_python-$llama_version"
-    if ! patch -p1 --forward --silent -d "$source" < "$amx_patch"; then
-      echo "install.sh: the AMX patch $amx_patch does not apply to llama-cpp-python $llama_version" >&2
-      return 1
-    fi
+    source="$(fetch_source amx "$wheels.tmp/sdist")" || { echo "install.sh: no patched amx source" >&2; return 1; }
   fi
   CMAKE_ARGS="$(flags_of "$fl")" "$venv/bin/python" -m pip wheel --no-deps --no-cache-dir \
     --no-binary llama-cpp-python -w "$wheels.tmp" "$source"

@@ -1,4 +1,5 @@
-"""What users already have: llama-cpp-python's own `Llama`, plain and with prompt-lookup drafting.
+"""What users already have: llama-cpp-python's own `Llama`, plain and with prompt-lookup drafting,
+and llama.cpp's own `llama-server`, plain and with its default n-gram drafting (`--spec-default`).
 
 Measured on the same prompt tokens, greedy, same context and threads. `Llama.generate` yields
 token ids, so fidelity is computed on tokens as for via-edge's modes. Its prefill cannot be timed
@@ -10,20 +11,53 @@ Python (`peer_python`), in a child process there: how via-edge on the AMX build 
 llama-cpp-python as users install it (the noamx wheel on an AMX machine; its native build crashes
 there). The child is `peer_worker.py`, which needs nothing but llama-cpp-python. A peer in this
 process runs on via-edge's llama.cpp compute thread: a second OpenMP team would slow both.
+
+`llama-server` is the binary `tools/build_llama_server.sh` builds from the same vendored llama.cpp,
+flags and patch as the installed flavor (or `VIA_EDGE_LLAMA_SERVER`). It runs as a process of its
+own on loopback for the whole benchmark, one slot, no prompt cache across requests; its decode
+speed is the server's own `timings` (`predicted_per_second`), the generation rate after the
+first token, as llama-server users read it.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
+import time
+import urllib.error
+import urllib.request
 from functools import partial
 from pathlib import Path
 from typing import Callable
 
+from ..errors import ViaEdgeError
 from ..llama import on_compute_thread
 from .peer_worker import Generator
 
-PEERS = ("llama-cpp-python", "llama-cpp-python-lookup")
+DEFAULT_PEERS = ("llama-cpp-python", "llama-cpp-python-lookup")  # what `bench` runs unless told
+SERVER_PEERS = {"llama-server": (), "llama-server-ngram": ("--spec-default",)}  # name -> extra flags
+PEERS = DEFAULT_PEERS + tuple(SERVER_PEERS)
+BUILD_SERVER = Path(__file__).resolve().parents[2] / "tools" / "build_llama_server.sh"
+
+
+def make_peer(name: str, path: Path, n_ctx: int, n_threads: int, python: str | None, eos: int) -> "Peer | ServerPeer":
+    if name in SERVER_PEERS:
+        return ServerPeer(name, path, n_ctx, n_threads, eos)
+    return Peer(name, path, n_ctx, n_threads, python)
+
+
+def server_binary() -> Path | None:
+    """The llama-server built for this checkout's llama.cpp flavor, if it has been built."""
+    given = os.environ.get("VIA_EDGE_LLAMA_SERVER")
+    if given:
+        return Path(given) if Path(given).is_file() else None
+    if not BUILD_SERVER.exists():
+        return None
+    out = subprocess.run(["bash", str(BUILD_SERVER), "--print"], capture_output=True, text=True)
+    path = Path(out.stdout.strip()) if out.returncode == 0 and out.stdout.strip() else None
+    return path if path is not None and path.is_file() else None
 
 
 class Peer:
@@ -57,3 +91,58 @@ class Peer:
         if self._proc is not None:
             self._proc.stdin.close()
             self._proc.wait(timeout=60)
+
+
+class ServerPeer:
+    """llama.cpp's llama-server on the same GGUF, greedy, one request at a time."""
+
+    def __init__(self, name: str, path: Path, n_ctx: int, n_threads: int, eos: int, timeout: float = 180) -> None:
+        binary = server_binary()
+        if binary is None:
+            raise ViaEdgeError(f"peer {name}: llama-server is not built here; run `bash tools/build_llama_server.sh` "
+                               "once (a few minutes), or set VIA_EDGE_LLAMA_SERVER to a llama-server binary")
+        self.name, self.eos = name, eos
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.base = f"http://127.0.0.1:{port}"
+        args = [str(binary), "-m", str(path), "-c", str(n_ctx), "-t", str(n_threads), "-tb", str(n_threads),
+                "-np", "1", "--host", "127.0.0.1", "--port", str(port), *SERVER_PEERS[name]]
+        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise ViaEdgeError(f"peer {name}: llama-server exited at start: {self._proc.stderr.read()[-1500:]}")
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.25)
+        self.close()
+        raise ViaEdgeError(f"peer {name}: llama-server did not become ready within {timeout:g} s")
+
+    def run(self, tokens: list[int], max_tokens: int, is_eog: Callable[[int], bool]) -> dict:
+        body = {"prompt": tokens, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
+                "return_tokens": True, "seed": 0}
+        req = urllib.request.Request(self.base + "/completion", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            out = json.loads(r.read())
+        got = list(out["tokens"])
+        if out.get("stop_type") == "eos":  # it stops on the end-of-generation token and leaves it out
+            got.append(self.eos)
+        t = out["timings"]
+        return {"tokens": got, "prefill_s": t["prompt_ms"] / 1e3, "gen_s": t["predicted_ms"] / 1e3,
+                "tok_s": t["predicted_per_second"], "draft_n": t.get("draft_n", 0),
+                "draft_n_accepted": t.get("draft_n_accepted", 0)}
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()

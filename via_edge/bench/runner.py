@@ -23,7 +23,7 @@ from ..progress import StatusLine
 from ..tune.store import load_choice
 from ..weights import catalog
 from ..weights.slim import target_sha256
-from .peers import PEERS, Peer
+from .peers import DEFAULT_PEERS, PEERS, make_peer
 from .report import summarize
 from .suite import Prompt, load_prompts
 
@@ -36,7 +36,7 @@ QUICK = dict(pair="smollm2", per_category=1, max_tokens=32,
 class BenchConfig:
     pair: str | None = None
     modes: list[str] = field(default_factory=lambda: ["ar", "sd", "via", "hier", "lookup"])
-    peers: list[str] = field(default_factory=lambda: list(PEERS))  # llama-cpp-python peers to run beside
+    peers: list[str] = field(default_factory=lambda: list(DEFAULT_PEERS))  # peers to run beside (bench.peers)
     peer_python: str | None = None  # run them with this Python (another environment's build)
     suite: str = "spec-bench"
     categories: list[str] | None = None
@@ -112,12 +112,13 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
     tuned = Engine.from_pair(cfg.pair, **common) if cfg.tuned else None
     engine = Engine.from_pair(cfg.pair, tuned=False, spec=cfg.spec, **common)
     engines = {"": engine, "tuned": tuned}
-    peers: list[Peer] = []
+    peers: list = []
     try:
         for mode in cfg.modes:
             for e in filter(None, engines.values()):
                 e.prepare(mode)
-        peers = [Peer(name, engine.target_path, cfg.n_ctx, threads, cfg.peer_python) for name in cfg.peers]
+        peers = [make_peer(name, engine.target_path, cfg.n_ctx, threads, cfg.peer_python, engine.target.eos)
+                 for name in cfg.peers]
         # ar:tuned differs from ar only when the tuned choice runs another weight format
         other_format = tuned is not None and tuned.target_path != engine.target_path
         methods = (list(cfg.modes) + [f"{m}:tuned" for m in cfg.modes if tuned and (m != "ar" or other_format)]

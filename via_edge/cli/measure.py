@@ -89,7 +89,9 @@ def bench(
                                "as draft, 4 prompts: about a minute."),
     peers: bool = typer.Option(True, "--peers/--no-peers", help="Also measure llama-cpp-python's Llama."),
     peer: Optional[List[str]] = typer.Option(None, help="Only these peers (repeatable): llama-cpp-python, "
-                                             "llama-cpp-python-lookup."),
+                                             "llama-cpp-python-lookup (the default two), llama-server, "
+                                             "llama-server-ngram (llama.cpp's own server, plain and --spec-default; "
+                                             "built by tools/build_llama_server.sh)."),
     peer_python: Optional[str] = typer.Option(None, help="Run the peers with this Python, e.g. an environment "
                                               "holding another llama.cpp build (docs/benchmarks.md, section 19)."),
     exact: bool = typer.Option(False, help="Exact kernels (see generate --exact): lossless modes match ar."),
@@ -129,7 +131,7 @@ def bench(
                      modes if modes != "ar,sd,via,hier,lookup" else None)
         return
     cfg = B.BenchConfig(pair=pair, modes=[m.strip() for m in modes.split(",") if m.strip()],
-                        peers=(list(peer) if peer else list(B.PEERS)) if peers else [], peer_python=peer_python,
+                        peers=(list(peer) if peer else list(B.DEFAULT_PEERS)) if peers else [], peer_python=peer_python,
                         suite=suite, categories=[c.strip() for c in categories.split(",")] if categories else None,
                         per_category=per_category, max_tokens=max_tokens, exact=exact, n_ctx=ctx,
                         threads=threads, tuned=tuned, quick=quick, command="via-edge " + " ".join(sys.argv[1:]),
