@@ -145,7 +145,7 @@ def render_markdown(results: dict) -> str:
                                                    for c in cats) + " |")
     present = [p for p in PEERS if any(p in s.get("vs_peers", {}) for s in summary.values())]
     if len(present) > 1:
-        lines += ["", "## Against each llama-cpp-python peer (geomean of tok/s ratios, min–max)", "",
+        lines += ["", "## Against each peer (geomean of tok/s ratios, min–max)", "",
                   "| method | " + " | ".join(present) + " |", "| --- |" + " --- |" * len(present)]
         for method, s in summary.items():
             v = s.get("vs_peers", {})
