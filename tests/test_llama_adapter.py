@@ -190,6 +190,43 @@ def test_a_decode_failing_after_writing_the_cache_rolls_it_back(tiny_target):
         assert llama_cpp.llama_memory_seq_pos_max(m._mem, 0) == len(toks) + 1
 
 
+@pytest.mark.parametrize("which", ["tiny_target", "tiny_llama", "smollm2"])
+def test_the_header_scan_reads_what_gguf_py_reads(which, request):
+    """read_info's own header scan against gguf-py's full reader, on tiny models and on SmolLM2's
+    49,152-token vocabulary (long string arrays are counted, not decoded)."""
+    from via_edge.weights.gguf_info import field_value, open_reader, scan_header
+
+    path = request.getfixturevalue(which)
+    fields, names = scan_header(path)
+    reader = open_reader(path)
+    assert names == {t.name for t in reader.tensors}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        want = field_value(reader, key)
+        got = fields[key]
+        if isinstance(want, list) and len(want) > 1024:
+            assert got == len(want), key
+        elif isinstance(want, float):
+            assert got == pytest.approx(want), key
+        else:
+            assert got == want, key
+    info = read_info(path)
+    assert info.vocab_size == len(reader.fields["tokenizer.ggml.tokens"].data) > 0
+
+
+def test_a_damaged_header_is_one_clear_message(tmp_path, tiny_target):
+    data = tiny_target.read_bytes()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(data[:4] + b"\x03\x00\x00\x00" + b"\xff" * 16 + data[24:200])  # absurd counts
+    with pytest.raises(ModelFileError, match="corrupt or truncated"):
+        read_info(bad)
+    header_only = tmp_path / "header-only.gguf"
+    header_only.write_bytes(data[:3000])
+    with pytest.raises(ModelFileError, match="truncated"):
+        read_info(header_only)
+
+
 def test_missing_foreign_and_truncated_files(tmp_path, tiny_target):
     with pytest.raises(ModelFileError, match="not found"):
         LlamaModel(tmp_path / "nope.gguf", PARAMS)

@@ -1,12 +1,18 @@
-"""Facts about a GGUF file, read from its header with gguf-py, without loading the weights.
+"""Facts about a GGUF file, read from its header without loading the weights.
 
 Also the first line of defence against bad files: a missing, foreign or truncated file is reported
 here with one clear message, before llama.cpp gets a chance to print its own.
+
+`read_info` (every command's start-up) scans the header itself and keeps only what it needs: a
+vocabulary of 151,936 strings is counted, not decoded, where gguf-py's `GGUFReader` builds an
+array per string (seconds on a busy laptop). Code that rewrites GGUFs (slims, formats) uses the
+full reader (`open_reader`).
 """
 
 from __future__ import annotations
 
 import os
+import struct
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -14,6 +20,9 @@ from pathlib import Path
 from ..errors import ModelFileError
 
 GGUF_MAGIC = b"GGUF"
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+_SMALL_ARRAY = 1024  # longer arrays are kept as their length only
 
 
 @dataclass(frozen=True)
@@ -77,26 +86,120 @@ def _open_reader(path: Path, size: int, mtime_ns: int):
 
 
 def read_info(path: str | os.PathLike) -> GGUFInfo:
-    reader = open_reader(path)
-    arch = field_value(reader, "general.architecture")
+    fields, tensor_names = scan_header(path)
+    arch = fields.get("general.architecture")
     if not arch:
         raise ModelFileError(f"GGUF file has no general.architecture: {path}")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    tensor_names = {t.name for t in reader.tensors}
+    tokens = fields.get("tokenizer.ggml.tokens")
     return GGUFInfo(
         path=Path(path),
         architecture=arch,
-        name=field_value(reader, "general.name") or Path(path).stem,
-        block_count=int(field_value(reader, f"{arch}.block_count") or 0),
-        context_length=int(field_value(reader, f"{arch}.context_length") or 0),
-        vocab_size=len(tokens.data) if tokens is not None else 0,
-        tokenizer_model=field_value(reader, "tokenizer.ggml.model") or "",
-        bos_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
-        eos_id=field_value(reader, "tokenizer.ggml.eos_token_id"),
-        chat_template=field_value(reader, "tokenizer.chat_template"),
+        name=fields.get("general.name") or Path(path).stem,
+        block_count=int(fields.get(f"{arch}.block_count") or 0),
+        context_length=int(fields.get(f"{arch}.context_length") or 0),
+        vocab_size=(tokens if isinstance(tokens, int) else len(tokens)) if tokens is not None else 0,
+        tokenizer_model=fields.get("tokenizer.ggml.model") or "",
+        bos_id=fields.get("tokenizer.ggml.bos_token_id"),
+        eos_id=fields.get("tokenizer.ggml.eos_token_id"),
+        chat_template=fields.get("tokenizer.chat_template"),
         file_size=Path(path).stat().st_size,
         tied_embeddings="output.weight" not in tensor_names,
     )
+
+
+def scan_header(path: str | os.PathLike) -> tuple[dict, frozenset[str]]:
+    """A checked file's metadata (scalars and strings as values, arrays as lists, or as their
+    length when longer than _SMALL_ARRAY) and its tensor names."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelFileError(f"model file not found: {path}")
+    if not path.is_file():
+        raise ModelFileError(f"model path is not a file: {path}")
+    st = path.stat()
+    return _scan_header(path.resolve(), st.st_size, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=8)
+def _scan_header(path: Path, size: int, mtime_ns: int) -> tuple[dict, frozenset[str]]:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    with open(path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            f.seek(0)
+            raise ModelFileError(f"not a GGUF file (bad magic {f.read(4)!r}): {path}")
+        try:
+            header = _Header(f)
+            version, n_tensors, n_kv = header.unpack("<IQQ")
+            if version < 2:
+                raise ValueError(f"GGUF version {version} is not supported")
+            fields = {}
+            for _ in range(n_kv):
+                key = header.string()
+                fields[key] = header.value(header.unpack("<I")[0])
+            end = 0
+            names = []
+            for _ in range(n_tensors):
+                names.append(header.string())
+                n_dims = header.unpack("<I")[0]
+                dims = header.unpack(f"<{n_dims}Q")
+                kind, offset = header.unpack("<IQ")
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+                count = 1
+                for d in dims:
+                    count *= d
+                end = max(end, offset + count // block * type_size)
+            align = int(fields.get("general.alignment") or 32)
+            data_offset = -(-header.tell() // align) * align
+        except (struct.error, ValueError, KeyError, UnicodeDecodeError, MemoryError) as exc:
+            raise ModelFileError(f"GGUF file is corrupt or truncated: {path} ({exc})") from exc
+    if data_offset + end > size:
+        raise ModelFileError(f"GGUF file is truncated: {path} has {size:,} bytes, its tensors need "
+                             f"{data_offset + end:,}")
+    return fields, frozenset(names)
+
+
+class _Header:
+    """Sequential little-endian reads through a GGUF header (buffered; no per-string arrays)."""
+
+    def __init__(self, f) -> None:
+        self.f = f
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def read(self, n: int) -> bytes:
+        data = self.f.read(n)
+        if len(data) != n:
+            raise ValueError("the header ends early")
+        return data
+
+    def unpack(self, fmt: str) -> tuple:
+        return struct.unpack(fmt, self.read(struct.calcsize(fmt)))
+
+    def string(self) -> str:
+        return self.read(self.unpack("<Q")[0]).decode("utf-8")
+
+    def value(self, kind: int):
+        if kind in _SCALARS:
+            return self.unpack(_SCALARS[kind])[0]
+        if kind == _STRING:
+            return self.string()
+        if kind != _ARRAY:
+            raise ValueError(f"unknown GGUF value type {kind}")
+        item, count = self.unpack("<IQ")
+        if count <= _SMALL_ARRAY:
+            return [self.value(item) for _ in range(count)]
+        if item in _SCALARS:  # fixed size: skip it whole
+            self.f.seek(count * struct.calcsize(_SCALARS[item]), os.SEEK_CUR)
+        elif item == _STRING:  # each string says its length: walk them, decode none
+            read, skip = self.f.read, self.f.seek
+            for _ in range(count):
+                (n,) = struct.unpack("<Q", read(8))
+                skip(n, os.SEEK_CUR)
+        else:
+            for _ in range(count):
+                self.value(item)
+        return count
 
 
 def write_atomically(writer, tmp: Path, dest: Path, arrays) -> None:
