@@ -55,13 +55,18 @@ def open_reader(path: str | os.PathLike):
     Readers are kept per (file, size, mtime): parsing a 150k-token vocabulary takes gguf-py
     seconds, and the slim search derives many files from one target.
     """
+    return _open_reader(*_file_key(path))
+
+
+def _file_key(path: str | os.PathLike) -> tuple[Path, int, int]:
+    """(resolved path, size, mtime) of an existing file: what the header caches are keyed by."""
     path = Path(path)
     if not path.exists():
         raise ModelFileError(f"model file not found: {path}")
     if not path.is_file():
         raise ModelFileError(f"model path is not a file: {path}")
     st = path.stat()
-    return _open_reader(path.resolve(), st.st_size, st.st_mtime_ns)
+    return path.resolve(), st.st_size, st.st_mtime_ns
 
 
 @lru_cache(maxsize=4)
@@ -110,13 +115,7 @@ def read_info(path: str | os.PathLike) -> GGUFInfo:
 def scan_header(path: str | os.PathLike) -> tuple[dict, frozenset[str]]:
     """A checked file's metadata (scalars and strings as values, arrays as lists, or as their
     length when longer than _SMALL_ARRAY) and its tensor names."""
-    path = Path(path)
-    if not path.exists():
-        raise ModelFileError(f"model file not found: {path}")
-    if not path.is_file():
-        raise ModelFileError(f"model path is not a file: {path}")
-    st = path.stat()
-    return _scan_header(path.resolve(), st.st_size, st.st_mtime_ns)
+    return _scan_header(*_file_key(path))
 
 
 @lru_cache(maxsize=8)
