@@ -2,9 +2,10 @@
 
 from via_edge import Engine, SpecParams
 
-COLOUR = {"draft": "\033[32m", "slim": "\033[33m", "target": "\033[34m"}
+COLOUR = {"copy": "\033[36m", "draft": "\033[32m", "slim": "\033[33m", "target": "\033[34m"}
 
-with Engine.from_pair("qwen2.5-coder", mode="via", spec=SpecParams(tau_accept=0.95, tau_full=0.5)) as engine:
+with Engine.from_pair("qwen2.5-coder", mode="via", spec=SpecParams(tau_accept=0.95, tau_full=0.5),
+                      pull_missing=True) as engine:
     stream = engine.stream("Explain what a closure is in Python, briefly.", max_tokens=96)
     for piece in stream:
         print(f"{COLOUR[piece.origin]}{piece.text}\033[0m", end="", flush=True)
