@@ -202,3 +202,23 @@ def test_a_server_request_is_checked_and_its_grammar_compiled_once(smollm2):
             r = http.post("/v1/chat/completions", json=body | {"grammar": "root ::= [a-"})
             assert r.status_code == 400 and r.json()["error"]["param"] == "grammar"
             assert len(compiled) == 3 and http.get("/health").json()["served"] == 2  # it never reached a slot
+
+
+def test_a_stream_with_tools_ends_with_its_usage_chunk(client):
+    """stream_options.include_usage holds with tools as without: the last chunk carries usage and
+    no choices, after the tool-call deltas and the finishing chunk (it was never sent with tools)."""
+    chunks = list(chat(client, tools=[WEATHER], tool_choice="required", stream=True,
+                       stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert chunks[-2].choices[0].finish_reason == "tool_calls"
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_engine_chat_ends_a_call_with_finish_reason_tool_calls(smollm2):
+    from via_edge import Engine
+
+    with Engine(smollm2, mode="ar", n_ctx=2048) as engine:
+        res = engine.chat(ASK, tools=[WEATHER], tool_choice="required", max_tokens=96)
+        plain = engine.chat(ASK, max_tokens=8)
+    assert res.tool_calls and res.finish_reason == "tool_calls"
+    assert plain.tool_calls is None and plain.finish_reason in ("stop", "length")

@@ -205,6 +205,13 @@ def test_incompatible_draft_is_refused(tiny_target, tiny_dir):
                match="EOS token differs")
 
 
+def test_models_help_names_only_commands_that_exist():
+    out = cli("models", "--help").stdout
+    for command in ("list", "pull", "path", "verify", "optimize", "rm", "prune"):
+        assert command in out
+    assert "fetch" not in out and "locate" not in out
+
+
 def test_models_commands(tmp_path, monkeypatch):
     monkeypatch.setenv("VIA_EDGE_MODEL_DIR", str(tmp_path))
     out = cli("models", "list", process=True).stdout

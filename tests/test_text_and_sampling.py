@@ -121,3 +121,12 @@ def test_residual_is_the_clipped_difference_on_any_supports(p_ids, q_ids):
     without[5] = 0
     assert np.allclose(p.residual(None, 5).dense(8), without / without.sum())
     assert np.allclose(p.residual(p, 5).dense(8), dense_p)  # p - p leaves nothing: p itself
+
+
+def test_prompt_speed_counts_only_the_tokens_prefilled():
+    """A prompt of 101 tokens, 60 of them cached: the prefill computed 40 (the last one is the
+    first round's), so 2 s is 20 tok/s, not the 50.5 a count with the cached ones would claim."""
+    from via_edge import Stats
+
+    assert Stats(prompt_tokens=101, cache_tokens=60, prefill_seconds=2.0).prompt_tokens_per_second == 20.0
+    assert Stats(prompt_tokens=61, cache_tokens=60, prefill_seconds=0.001).prompt_tokens_per_second == 0.0

@@ -286,6 +286,8 @@ class Engine:
         res = self.generate(self.chat_prompt(messages, spec), **constrain(spec, kwargs))
         if spec is not None:
             res.tool_calls = parse_calls(res.text)[1]
+            if res.tool_calls and res.finish_reason == "stop":
+                res.finish_reason = "tool_calls"  # as OpenAI ends an answer that calls
         return res
 
     # ---- one generation -------------------------------------------------------------------------

@@ -28,7 +28,7 @@ class Result:
     tokens: list[int]
     origins: list[Origin]  # per token: draft, slim or target (which model produced it)
     tiers: list[Tier]      # per token: A, B or C (what decided it; see Stats)
-    finish_reason: str     # "stop" (EOS or a stop string), "length", or "cancelled" (should_stop, or
+    finish_reason: str     # "stop" (EOS or a stop string), "length", "tool_calls" (Engine.chat), or "cancelled" (should_stop, or
     stats: Stats           # the consumer stopped reading the stream)
     mode: Mode
     prompt_tokens: int

@@ -14,7 +14,7 @@ from .options import activity, err
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="Speculative decoding with intra-model routing (VIA-SD) on llama.cpp.")
-models_app = typer.Typer(no_args_is_help=True, help="Known models: list, fetch, locate, verify.")
+models_app = typer.Typer(no_args_is_help=True, help="Known models: list, pull, path, verify, optimize, rm, prune.")
 slim_app = typer.Typer(no_args_is_help=True, help="Slim verifiers: derived GGUFs of a target's blocks.")
 app.add_typer(models_app, name="models")
 app.add_typer(slim_app, name="slim")

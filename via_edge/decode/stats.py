@@ -79,7 +79,10 @@ class Stats:
 
     @property
     def prompt_tokens_per_second(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+        """Prompt tokens prefilled per second: all but the last (the first round decodes it), less
+        those found in the cache, which cost nothing."""
+        computed = self.prompt_tokens - 1 - self.cache_tokens
+        return computed / self.prefill_seconds if self.prefill_seconds and computed > 0 else 0.0
 
     def __iadd__(self, other: "Stats") -> "Stats":
         for f in fields(self):

@@ -169,15 +169,16 @@ class _Shape:
         self.offset = base
         if self.tools is not None:
             yield from self._tool_chunks(stream)
-            return
-        for piece in stream:
-            yield {**self.base, "choices": [self.choice(head + piece.text, None, True, piece.logprobs)]}
-            head = ""
-        if head:  # nothing was generated: the echoed prompt still comes
-            yield {**self.base, "choices": [self.choice(head, None, True)]}
+        else:
+            for piece in stream:
+                yield {**self.base, "choices": [self.choice(head + piece.text, None, True, piece.logprobs)]}
+                head = ""
+            if head:  # nothing was generated: the echoed prompt still comes
+                yield {**self.base, "choices": [self.choice(head, None, True)]}
+            res = stream.result
+            yield {**self.base, "choices": [self.choice(None, res.finish_reason, True)], "timings": timings(res)}
         res = stream.result
-        yield {**self.base, "choices": [self.choice(None, res.finish_reason, True)], "timings": timings(res)}
-        if include_usage:
+        if include_usage:  # with tools too (it was left out there)
             yield {**self.base, "choices": [], "usage": usage(res)}
 
     def _tool_chunks(self, stream: Stream) -> Iterator[dict]:
