@@ -94,7 +94,7 @@ def test_ctrl_c_in_a_command_says_what_it_stopped(smollm2):
                           timeout=60, preexec_fn=interruptible)  # ar: lookup copies SmolLM2's repetitions
     child.expect(r"\w+ \w+ \w+")  # generating
     child.sendintr()
-    child.expect_exact("interrupted: generation stopped; nothing was written")
+    child.expect_exact("interrupted: generation stopped; the answer so far is above; nothing was written to disk")
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 130

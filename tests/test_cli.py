@@ -115,6 +115,7 @@ def test_numeric_options_are_checked_before_loading(tiny_target, option, value):
     (["--top-p", "0"], "top_p must be in (0, 1]"),
     (["--temperature", "nan"], "temperature must be"),
     (["--n-draft", "0"], "n_draft must be in 1..64"),
+    (["--kv-type", "q3"], "kv_type must be one of f32, f16, q8_0, got 'q3'"),
 ])
 def test_layer_sets_sampling_and_knobs_are_checked_before_loading(args, match):
     """The model path does not exist: a check made after loading would report that instead."""

@@ -227,6 +227,9 @@ def test_closing_the_connection_cancels(smollm2):
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2.5}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "mode": "fast"}, "mode"),
     ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                                {"type": "image_url", "image_url": {"url": "data:,"}}]}]},
+     "messages.0.content.1.type"),
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_wrong_types_are_400_naming_the_field(server, body, field, stream):

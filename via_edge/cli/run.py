@@ -35,7 +35,8 @@ def generate(
 
     text = _read_prompt(prompt, prompt_file)
     with opts.engine(mode) as engine:
-        doing("generation", "nothing was written")
+        doing("generation", "nothing was printed or written" if as_json else
+              "the answer so far is above; nothing was written to disk")
         stream = engine.stream(text, max_tokens=max_tokens, stop=stop, mode=engine.mode, chat_template=not raw,
                                **opts.sampling())
         for piece in stream:

@@ -65,6 +65,11 @@ class LoadParams:
     rpc: tuple[str, ...] = ()  # RPC servers (HOST:PORT) that hold a share of the layers (llama/rpc.py)
     tensor_split: tuple[float, ...] = ()  # with rpc: the shares of this machine, then of each server
 
+    def __post_init__(self) -> None:  # checked where the parameters are made: before anything loads
+        if self.kv_type not in _KV_TYPES:
+            raise InvalidParameterError(f"kv_type must be one of {', '.join(_KV_TYPES)}, got {self.kv_type!r}",
+                                        "kv_type")
+
     def resolved_extra_bufts(self) -> bool:
         return extra_bufts_default() if self.use_extra_bufts is None else self.use_extra_bufts
 
@@ -126,8 +131,6 @@ class LlamaModel:
         cp.n_threads_batch = params.n_threads_batch or cp.n_threads
         cp.flash_attn_type = {None: lc.LLAMA_FLASH_ATTN_TYPE_AUTO, True: lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
                               False: lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}[params.flash_attn]
-        if params.kv_type not in _KV_TYPES:
-            raise InvalidParameterError(f"kv_type must be one of {', '.join(_KV_TYPES)}")
         cp.type_k = cp.type_v = _KV_TYPES[params.kv_type]
         cp.no_perf = True
         self._capture = Capture(params.capture) if params.capture else None

@@ -63,23 +63,30 @@ class _Body(BaseModel):
     prediction: Any = None
 
 
-class _TextPart(BaseModel):
+class _Part(BaseModel):
+    """A content part; only text parts are read (`_Message.turn` refuses the others by name)."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    type: Literal["text"]
-    text: StrictStr
+    type: StrictStr
+    text: StrictStr | None = None
 
 
 class _Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Union[StrictStr, list[_TextPart], None] = None  # None: an assistant turn of tool calls
+    content: Union[StrictStr, list[_Part], None] = None  # None: an assistant turn of tool calls
     tool_calls: list[dict] | None = None
     tool_call_id: StrictStr | None = None
 
     def turn(self, i: int) -> dict:
         """Message `i` as the chat template takes it (toolcalls.template_messages does the rest)."""
+        for j, part in enumerate(self.content if isinstance(self.content, list) else []):
+            if part.type != "text" or part.text is None:
+                raise HTTPError(400, f"invalid 'messages.{i}.content.{j}.type': a '{part.type}' part; via-edge's "
+                                "models read text only, so every part must be {\"type\": \"text\", \"text\": ...}",
+                                param=f"messages.{i}.content.{j}.type", code="unsupported_content")
         text = self.content if isinstance(self.content, str) or self.content is None else \
             "".join(p.text for p in self.content)
         if text is None and not (self.role == "assistant" and self.tool_calls):

@@ -48,7 +48,8 @@ def parse_layers(spec: str, n_block: int | None) -> tuple[int, ...]:
             raise LayerSpecError(f"layer range '{part.strip()}' runs backwards")
         for i in range(lo, hi + 1):
             if n_block is not None and i >= n_block:
-                raise LayerSpecError(f"layer {i} is out of range: the model has blocks 0-{n_block - 1}")
+                raise LayerSpecError(f"layers '{spec}' reach past the model's blocks 0-{n_block - 1} (layer {i} is "
+                                     "out of range)")
             if out and i == out[-1]:
                 raise LayerSpecError(f"layer {i} appears twice in '{spec}'")
             if out and i < out[-1]:
