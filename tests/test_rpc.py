@@ -145,3 +145,22 @@ def test_rpc_serve_stops_cleanly(sig):
     assert "stopped" in proc.stderr.read()
     with pytest.raises(RemoteDeviceError, match="no RPC server answers"):
         rpc.hello(endpoint, timeout=2)
+
+
+def test_rpc_serve_takes_localhost_and_refuses_ipv6_with_one_line():
+    """ggml's server parses numeric IPv4 only: `localhost` is served on 127.0.0.1 (it used to start
+    and stop at once), `::1` is refused up front."""
+    port = str(free_port())
+
+    def answers() -> bool:
+        try:
+            rpc.hello(f"127.0.0.1:{port}", timeout=2)
+            return True
+        except RemoteDeviceError:
+            return False
+
+    proc = launch(["rpc-serve", "--host", "localhost", "--port", port, "--threads", 1], answers, "rpc-serve", 30)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == 0
+    out = cli("rpc-serve", "--host", "::1", "--port", str(free_port()))
+    assert out.returncode == 2 and "IPv4 addresses only" in out.stderr and "Traceback" not in out.stderr

@@ -20,6 +20,15 @@ WARNING = ("ggml's RPC protocol has no authentication: anyone who can reach this
            "this machine and read the tensors it holds")
 
 
+def _ipv4(host: str) -> str:
+    """The numeric IPv4 address ggml's RPC server needs (it takes no names and no IPv6)."""
+    try:
+        return socket.getaddrinfo(host.strip("[]"), None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except (socket.gaierror, IndexError):
+        raise ViaEdgeError(f"cannot listen on {host}: ggml's RPC server listens on IPv4 addresses only "
+                           "(127.0.0.1 for this machine, 0.0.0.0 for every interface with --allow-remote)") from None
+
+
 def _loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -51,9 +60,10 @@ def rpc_serve(
         raise ViaEdgeError(f"--threads must be >= 1, got {threads}")
     if not _loopback(host) and not allow_remote:
         raise ViaEdgeError(f"refusing to listen on {host}: {WARNING}. Pass --allow-remote to do it anyway")
+    named, host = host, _ipv4(host)
     try:  # a busy port or a bad address fails here, with one line, before ggml tries
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-            probe.bind((host.strip("[]"), port))
+        with socket.socket(socket.AF_INET) as probe:
+            probe.bind((host, port))
     except OSError as exc:
         raise ViaEdgeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     if cache is not None:
@@ -65,7 +75,8 @@ def rpc_serve(
     if not _loopback(host):
         err(f"warning: {WARNING}")
     err(f"via-edge rpc-serve: this machine's CPU ({n} threads, {rpc.free_memory(rpc.cpu_device()) / 2**30:.1f} GiB "
-        f"free) on {host}:{port}" + (" (loopback only)" if _loopback(host) else "") + "; Ctrl-C stops it")
+        f"free) on {host}:{port}" + (f" ({named})" if named != host else "")
+        + (" (loopback only)" if _loopback(host) else "") + "; Ctrl-C stops it")
     doing("the RPC server", "nothing was written")
     stopped = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
