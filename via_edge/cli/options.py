@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import ipaddress
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, get_type_hints
@@ -28,6 +29,16 @@ from ..weights.slim import parse_layers
 
 # what Ctrl-C interrupts, said when it does (set by each command as it goes)
 activity = {"doing": "the command", "kept": "nothing was written"}
+
+
+def is_loopback(host: str) -> bool:
+    """Does `host` reach this machine only?"""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def err(msg: str) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import signal
 import socket
@@ -14,7 +13,7 @@ import typer
 
 from ..errors import ViaEdgeError
 from .app import app
-from .options import doing, err, shared
+from .options import doing, err, is_loopback, shared
 
 WARNING = ("ggml's RPC protocol has no authentication: anyone who can reach this port can run computations on "
            "this machine and read the tensors it holds")
@@ -27,15 +26,6 @@ def _ipv4(host: str) -> str:
     except (socket.gaierror, IndexError):
         raise ViaEdgeError(f"cannot listen on {host}: ggml's RPC server listens on IPv4 addresses only "
                            "(127.0.0.1 for this machine, 0.0.0.0 for every interface with --allow-remote)") from None
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 @app.command("rpc-serve")
@@ -51,14 +41,13 @@ def rpc_serve(
 ) -> None:
     """Serve this machine's CPU to `--rpc HOST:PORT` of generate, chat, serve and bench on another
     machine (llama.cpp's RPC backend): it holds a share of that target's layers."""
-    from ..llama import default_threads
-    from ..llama import rpc
+    from ..llama import default_threads, rpc
 
     if not 0 < port < 65536:
         raise ViaEdgeError(f"--port must be in 1..65535, got {port}")
     if threads is not None and threads < 1:
         raise ViaEdgeError(f"--threads must be >= 1, got {threads}")
-    if not _loopback(host) and not allow_remote:
+    if not is_loopback(host) and not allow_remote:
         raise ViaEdgeError(f"refusing to listen on {host}: {WARNING}. Pass --allow-remote to do it anyway")
     named, host = host, _ipv4(host)
     try:  # a busy port or a bad address fails here, with one line, before ggml tries
@@ -72,11 +61,11 @@ def rpc_serve(
         raise ViaEdgeError("this llama-cpp-python was built without ggml's RPC backend; reinstall with "
                            "tools/install.sh")
     n = threads or default_threads()
-    if not _loopback(host):
+    if not is_loopback(host):
         err(f"warning: {WARNING}")
     err(f"via-edge rpc-serve: this machine's CPU ({n} threads, {rpc.free_memory(rpc.cpu_device()) / 2**30:.1f} GiB "
         f"free) on {host}:{port}" + (f" ({named})" if named != host else "")
-        + (" (loopback only)" if _loopback(host) else "") + "; Ctrl-C stops it")
+        + (" (loopback only)" if is_loopback(host) else "") + "; Ctrl-C stops it")
     doing("the RPC server", "nothing was written")
     stopped = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -14,7 +14,19 @@ from ..decode.modes import DEFAULT_MODE
 from ..errors import ViaEdgeError
 from ..weights import catalog
 from .app import app
-from .options import MODEL_OPTS, RUN_OPTS, SAMPLING_OPTS, SPEC_OPTS, Options, doing, err, mode_opt, shared, tuning_hint
+from .options import (
+    MODEL_OPTS,
+    RUN_OPTS,
+    SAMPLING_OPTS,
+    SPEC_OPTS,
+    Options,
+    doing,
+    err,
+    is_loopback,
+    mode_opt,
+    shared,
+    tuning_hint,
+)
 
 
 @app.command()
@@ -113,12 +125,21 @@ def serve(
     max_queue: int = typer.Option(16, help="Requests that may wait for a slot; one more gets a 503."),
     drain: float = typer.Option(10.0, help="On SIGTERM or Ctrl-C, seconds running generations may take to "
                                 "finish before they are cancelled."),
+    api_key: Optional[List[str]] = typer.Option(None, "--api-key", envvar="VIA_EDGE_API_KEY",
+                                                help="Require 'Authorization: Bearer KEY' on every route but "
+                                                "/health (repeatable; the environment variable may hold several, "
+                                                "comma-separated)."),
     opts: Options = None,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)."""
     from ..server import bind, run
 
+    keys = tuple(k.strip() for given in api_key or () for k in given.split(",") if k.strip())
+    if api_key and not keys:
+        raise ViaEdgeError("--api-key is empty")
     sock = bind(host, port)  # a busy port fails here, before a model loads
+    if not keys and not is_loopback(host):
+        err(f"warning: serving on {host} without --api-key: anyone who reaches this port can use the model")
     with sock, opts.engine(mode, progress=True, n_parallel=parallel) as engine:
         tuning_hint(engine, opts.target)
         doing("the server", "nothing was written")
@@ -126,7 +147,7 @@ def serve(
         slots = f", {parallel} slots of {engine.target.n_ctx} tokens" if parallel > 1 else ""
         run(engine, sock, on_ready=lambda: err(f"via-edge serving {engine.model_name} ({engine.mode}{slots}) "
                                                 f"on {url}"),
-            drain=drain, max_body=max_body, max_tokens_limit=max_tokens_limit, max_queue=max_queue)
+            drain=drain, max_body=max_body, max_tokens_limit=max_tokens_limit, max_queue=max_queue, api_keys=keys)
 
 
 

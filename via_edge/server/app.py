@@ -20,6 +20,7 @@ app       the routes, the listening socket and the process's lifetime
 from __future__ import annotations
 
 import contextlib
+import hmac
 import socket
 import sys
 import time
@@ -27,6 +28,7 @@ from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import Engine
 from ..errors import RemoteDeviceError, ViaEdgeError
@@ -39,7 +41,8 @@ MAX_BODY = 1 << 20
 
 
 def create_app(engine: Engine, *, max_body: int = MAX_BODY, max_tokens_limit: int = 4096, max_queue: int = 16,
-               on_ready: Callable[[], None] | None = None) -> FastAPI:
+               api_keys: tuple[str, ...] = (), on_ready: Callable[[], None] | None = None) -> FastAPI:
+    """With `api_keys`, every route but /health needs `Authorization: Bearer <one of them>`."""
     requests = Requests(engine, max_body, max_tokens_limit)
 
     @contextlib.asynccontextmanager
@@ -53,6 +56,25 @@ def create_app(engine: Engine, *, max_body: int = MAX_BODY, max_tokens_limit: in
     app = FastAPI(title="via-edge", version="0.1", lifespan=lifespan)
     started = time.time()
     fmt = engine.weight_format  # read once: the GGUF header does not change while serving
+
+    @app.middleware("http")
+    async def _authorize(request: Request, call_next):
+        if api_keys and request.url.path != "/health":
+            scheme, _, key = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not any(hmac.compare_digest(key.strip(), k) for k in api_keys):
+                return HTTPError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' with a key "
+                                 "this server was started with (--api-key)", code="invalid_api_key").response()
+        return await call_next(request)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _route_error(_request, exc: StarletteHTTPException):
+        """Unknown routes and methods in OpenAI's error shape, as every other refusal."""
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        response = HTTPError(exc.status_code, f"{exc.detail}: {_request.method} {_request.url.path}",
+                             code=code).response()
+        for name, value in (exc.headers or {}).items():
+            response.headers[name] = value
+        return response
 
     @app.exception_handler(HTTPError)
     async def _http_error(_request, exc: HTTPError):

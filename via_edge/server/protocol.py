@@ -174,9 +174,7 @@ class Requests:
     def call(self, body: _Body, tokens: list[int], **shape) -> Call:
         """The request's one check: the server's own limits here, everything else by the engine
         (responses.prepare), each refusal a 400 naming the field."""
-        engine, limit = self.engine, self.max_tokens_limit
-        if body.model is not None and body.model not in (engine.model_name, "via-edge"):
-            raise HTTPError(404, f"The model '{body.model}' does not exist", code="model_not_found", param="model")
+        engine, limit = self.engine, self.max_tokens_limit  # any `model` name is this engine's, as in llama-server
         mt = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
         if mt is not None and mt > limit:
             raise HTTPError(400, f"max_tokens may be at most {limit}, got {mt}", param="max_tokens")
