@@ -30,7 +30,8 @@ from .decode.text import StopMatcher, StreamDecoder
 from .errors import ContextOverflowError, InvalidParameterError
 from .llama import MAX_SEQ, GrammarState, LlamaModel, LoadParams, common_prefix
 from .loading import Loader, Models, model_file, pair_arguments
-from .openai_api.toolcalls import Tools, constrain, parse_calls, template_messages
+from .openai_api.callparse import parse_calls
+from .openai_api.toolcalls import Tools, constrain, template_messages
 from .prompts import chat_tokens
 from .results import BatchResult, Piece, Result, Stream, drain
 from .slots import Slot, SlotPool
@@ -285,7 +286,7 @@ class Engine:
         spec = Tools.parse(tools, tool_choice)
         res = self.generate(self.chat_prompt(messages, spec), **constrain(spec, kwargs))
         if spec is not None:
-            res.tool_calls = parse_calls(res.text)[1]
+            res.tool_calls = parse_calls(res.text, spec.names)[1]
             if res.tool_calls and res.finish_reason == "stop":
                 res.finish_reason = "tool_calls"  # as OpenAI ends an answer that calls
         return res

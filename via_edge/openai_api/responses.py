@@ -17,7 +17,8 @@ from ..decode.scores import TokenLogprobs
 from ..engine import MAX_LOGPROBS, Engine, Request
 from ..errors import InvalidParameterError
 from ..results import Result, Stream, drain
-from .toolcalls import CallStream, Tools, constrain, parse_calls
+from .callparse import CallStream, parse_calls
+from .toolcalls import Tools, constrain
 
 # llama-cpp-python's create_completion defaults, so a switched program behaves the same
 DEFAULTS = dict(max_tokens=16, temperature=0.8, top_p=0.95, top_k=40, min_p=0.05)
@@ -154,7 +155,7 @@ class _Shape:
         self.offset = base
         choice = self.choice(head + res.text, res.finish_reason, False, res.logprobs or ())
         if self.tools is not None:
-            content, calls = parse_calls(res.text)
+            content, calls = parse_calls(res.text, self.tools.names)
             if calls:
                 choice["message"] |= {"content": content, "tool_calls": calls}
                 choice["finish_reason"] = _finish(res.finish_reason, calls)
@@ -184,8 +185,8 @@ class _Shape:
     def _tool_chunks(self, stream: Stream) -> Iterator[dict]:
         """Chat chunks with calls as OpenAI streams them: a delta naming the call (id, function,
         empty arguments), then one with the arguments. Text that may open a call waits until it
-        is one or is not (toolcalls.CallStream); logprobs ride on the next chunk that goes out."""
-        split, pending, calls = CallStream(), [], []
+        is one or is not (callparse.CallStream); logprobs ride on the next chunk that goes out."""
+        split, pending, calls = CallStream(self.tools.names), [], []
 
         def out(parts, lps) -> Iterator[dict]:
             for part in parts:
@@ -209,7 +210,7 @@ class _Shape:
             if parts:
                 yield from out(parts, tuple(pending))
                 pending = []
-        yield from out([t for t in [split.flush()] if t], tuple(pending))
+        yield from out(split.flush(), tuple(pending))
         res = stream.result
         yield {**self.base, "choices": [self.choice(None, _finish(res.finish_reason, calls), True)],
                "timings": timings(res)}

@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..decode.constraints import schema_grammar
 from ..errors import InvalidParameterError
-
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
+from .callparse import CLOSE, OPEN
 
 
 @dataclass(frozen=True)
@@ -57,6 +54,11 @@ class Tools:
             raise InvalidParameterError("'tool_choice' must be none, auto, required or {\"type\": \"function\", "
                                         f"\"function\": {{\"name\": one of {names}}}}}", "tool_choice")
         return cls(tuple(functions), "named", name)
+
+    @property
+    def names(self) -> frozenset[str]:
+        """The declared functions: untagged JSON naming one of them is a call (callparse)."""
+        return frozenset(f["name"] for f in self.functions)
 
     @property
     def offered(self) -> list[dict]:
@@ -144,77 +146,3 @@ def _describe(tools: list[dict]) -> str:
             f"with function signatures within <tools></tools> XML tags:\n<tools>\n{listing}\n</tools>\n\nFor each "
             "function call, return a json object with function name and arguments within <tool_call></tool_call> "
             'XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
-
-
-def parse_calls(text: str) -> tuple[str | None, list[dict]]:
-    """The answer's prose (None if there is none) and its tool calls in OpenAI's shape; a block
-    that is not a call (not JSON, no name) stays in the prose."""
-    calls, prose, at = [], [], 0
-    for m in _BLOCK.finditer(text):
-        call = _call(m.group(1))
-        if call is None:
-            continue
-        prose.append(text[at:m.start()])
-        at = m.end()
-        calls.append(call)
-    prose.append(text[at:])
-    content = "".join(prose).strip()
-    return (content or None) if calls else text, calls
-
-
-def _call(body: str) -> dict | None:
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-        return None
-    args = data.get("arguments", {})
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": data["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}}
-
-
-class CallStream:
-    """Streamed text split into prose and calls: prose goes out as it comes, except what may be
-    the start of a `<tool_call>` block, which waits until the block is complete (then one call)
-    or proves not to be one (then prose)."""
-
-    def __init__(self) -> None:
-        self.held = ""
-        self.n_calls = 0
-
-    def feed(self, text: str) -> Iterator[str | dict]:
-        self.held += text
-        while True:
-            start = self.held.find(OPEN)
-            if start < 0:
-                keep = _partial_open(self.held)
-                if len(self.held) > keep:
-                    yield self.held[:len(self.held) - keep]
-                    self.held = self.held[len(self.held) - keep:]
-                return
-            if start:
-                yield self.held[:start]
-                self.held = self.held[start:]
-            end = self.held.find(CLOSE)
-            if end < 0:
-                return
-            block, self.held = self.held[:end + len(CLOSE)], self.held[end + len(CLOSE):]
-            call = _call(block[len(OPEN):-len(CLOSE)].strip())
-            if call is None:
-                yield block
-            else:
-                self.n_calls += 1
-                yield call
-
-    def flush(self) -> str:
-        held, self.held = self.held, ""
-        return held
-
-
-def _partial_open(text: str) -> int:
-    """How many characters at the end of `text` could begin `<tool_call>`."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
-            return n
-    return 0
