@@ -255,10 +255,12 @@ class Engine:
         """
         arrived = time.perf_counter() if arrived is None else arrived
         self.prepare(request.mode)
-        n = len(request.prompt)
-        empty = Result("", [], [], [], "cancelled", Stats(prompt_tokens=n), request.mode, n)
+        # a list, as the caches hold theirs: common_prefix compares list slices at C speed, and a
+        # tuple against a list is never equal, which would walk every token in Python
+        prompt = list(request.prompt)
+        empty = Result("", [], [], [], "cancelled", Stats(prompt_tokens=len(prompt)), request.mode, len(prompt))
         return Stream(lambda box: self.slots.occupy(
-            request.prompt, lambda slot: self._generate(box, slot, request, should_stop, arrived)), empty)
+            prompt, lambda slot: self._generate(box, slot, request, prompt, should_stop, arrived)), empty)
 
     def stream(self, prompt: str | Sequence[int], *, should_stop: Callable[[], bool] | None = None,
                arrived: float | None = None, **options) -> Stream:
@@ -292,11 +294,11 @@ class Engine:
         return res
 
     # ---- one generation -------------------------------------------------------------------------
-    def _generate(self, box: list[Result], slot: Slot, req: Request, should_stop: Callable[[], bool] | None,
-                  arrived: float) -> Iterator[Piece]:
+    def _generate(self, box: list[Result], slot: Slot, req: Request, prompt: list[int],
+                  should_stop: Callable[[], bool] | None, arrived: float) -> Iterator[Piece]:
         """Tokens to text on `slot`: stop strings, UTF-8 held back until whole, the finish reason.
         A consumer that stops reading (GeneratorExit) ends it as "cancelled"."""
-        prompt, info = list(req.prompt), mode_info(req.mode)
+        info = mode_info(req.mode)
         stats = Stats(prompt_tokens=len(prompt), queue_seconds=time.perf_counter() - arrived)
         roles = ["target"] + ["draft"] * info.draft_model + ["slim"] * info.slim
         used = [(role, self.slots.scorer(slot, role)) for role in roles]
