@@ -53,7 +53,7 @@ NEUTRAL = dict(suffix=None, echo=False, typical_p=1.0, tfs_z=1.0, mirostat_mode=
                functions=None, function_call=None, n=1, best_of=1, prediction=None)
 # what Engine.request takes under the same name: its signature is the one list of generation fields
 # (the prompt and how it is tokenized are the caller's; the rest are mapped below)
-MAPPED = ("stop", "grammar", "response_format", "logprobs")
+MAPPED = ("grammar", "response_format", "logprobs")
 PASSED = tuple(p for p in inspect.signature(Engine.request).parameters
                if p not in ("self", "prompt", "chat_template", *MAPPED))
 SHAPE_ONLY = ("stream", "model", "user")
@@ -69,8 +69,6 @@ def engine_kwargs(kwargs: Mapping[str, Any], kind: str = "completion") -> dict:
             continue
         if key in PASSED:
             out[key] = value
-        elif key == "stop":
-            out["stop"] = [value] if isinstance(value, str) else list(value)
         elif key == "grammar":  # GBNF text, or llama-cpp-python's LlamaGrammar
             out["grammar"] = getattr(value, "_grammar", value)
         elif key == "response_format":
