@@ -32,13 +32,15 @@ def session_model_dir(tmp_path_factory) -> Path:
     choices) goes to a directory of this run, never into the user's model directory; child
     processes inherit it. Models that come in Python packages (SmolLM2) are read where they are."""
     folder = tmp_path_factory.mktemp("models")
-    before = os.environ.get("VIA_EDGE_MODEL_DIR")
-    os.environ["VIA_EDGE_MODEL_DIR"] = str(folder)
+    # catalog models run as shipped unless a test asks for the automatic format (test_autoformat.py)
+    saved = {k: os.environ.get(k) for k in ("VIA_EDGE_MODEL_DIR", "VIA_EDGE_FORMAT")}
+    os.environ.update(VIA_EDGE_MODEL_DIR=str(folder), VIA_EDGE_FORMAT="shipped")
     yield folder
-    if before is None:
-        os.environ.pop("VIA_EDGE_MODEL_DIR", None)
-    else:
-        os.environ["VIA_EDGE_MODEL_DIR"] = before
+    for key, before in saved.items():
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
 
 
 @pytest.fixture(scope="session")

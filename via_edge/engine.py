@@ -83,6 +83,7 @@ class Engine:
         mode_specs: Mapping[str, SpecParams] | None = None,
         slim_kv: str = "import",
         f32: bool = False,
+        format: str | None = None,
         pull_missing: bool = False,
         progress: Callable[[str, float], None] | None = None,
         **load_fields,
@@ -90,7 +91,9 @@ class Engine:
         """`load` and any of its fields given by name (n_ctx, n_threads, kv_type, rpc...) say how
         every model loads; the slots' share of the context is set here from `n_parallel`.
         `rpc=("host:port", ...)` puts a share of the target's layers on those RPC servers
-        (`via-edge rpc-serve`), draft and slim stay here."""
+        (`via-edge rpc-serve`), draft and slim stay here. `format` is the weight format: `auto`
+        (the default for a catalog name: weights/autoformat.py), `shipped` (the file as it is, the
+        default for a path) or a recipe name (weights/formats.py); VIA_EDGE_FORMAT sets the default."""
         mode_info(mode)
         if not 1 <= n_parallel <= MAX_SEQ:
             raise InvalidParameterError(f"n_parallel must be in 1..{MAX_SEQ}, got {n_parallel}")
@@ -106,14 +109,14 @@ class Engine:
         self.load = replace(load, **load_fields, n_seq=n_parallel, kv_unified=n_parallel > 1)
         self.n_parallel = n_parallel
         self._slim_kv = slim_kv
-        self.target_path = model_file(target, pull_missing, f32)  # f32: see formats.build_f32
+        self.target_path = model_file(target, pull_missing, f32, format, self.load)
         self.model_name = self.target_path.stem if Path(str(target)).suffix == ".gguf" else str(target)
         n_block = read_info(self.target_path).block_count  # bad layer sets fail before weights load
         for layers in (draft_layers, slim_layers):
             if layers:
                 parse_layers(layers, n_block)
         self._loader = Loader(self.target_path, draft, slim, draft_layers, slim_layers, self.load, f32=f32,
-                              pull_missing=pull_missing, progress=progress)
+                              pull_missing=pull_missing, progress=progress, format=format)
         self.models: Models = self._loader.models
         self.slots = SlotPool(n_parallel, self.models)
         self.tuned: TunedConfig | None = None  # set by from_pair when a tuned choice applied
@@ -131,6 +134,12 @@ class Engine:
         engine.model_name = name  # the catalog's name, whichever format runs
         engine.tuned = choice
         return engine
+
+    @property
+    def format(self) -> str:
+        """The target's weight format as `--format` names it: a derived recipe, or `shipped`."""
+        found = formats.variant_source(self.target_path)
+        return found[0] if found else formats.SHIPPED
 
     @property
     def weight_format(self) -> str:

@@ -16,7 +16,7 @@ from .decode.spec import SpecParams
 from .errors import InvalidParameterError
 from .llama import LlamaModel, LoadParams
 from .tune.store import TunedConfig, load_choice
-from .weights import catalog, formats
+from .weights import autoformat, catalog, formats
 from .weights.formats import build_f32
 from .weights.slim import build_slim, is_prefix, slim_source, target_sha256
 
@@ -37,11 +37,18 @@ class Models:
         return [m for m in (self.slim, self.draft, self.target) if m is not None]
 
 
-def model_file(spec: str | Path, pull_missing: bool = False, f32: bool = False) -> Path:
+def model_file(spec: str | Path, pull_missing: bool = False, f32: bool = False, format: str | None = None,
+               load: LoadParams = LoadParams()) -> Path:
     """A model file: a path, or a catalog name (fetched when allowed); its F32 copy with `f32`
-    (formats.build_f32)."""
+    (formats.build_f32), else in the weight format asked for (autoformat.requested: by default the
+    automatic one for a catalog name, the file as given for a path)."""
     path = catalog.resolve(spec, pull_missing=pull_missing)
-    return build_f32(path) if f32 else path
+    if f32:
+        return build_f32(path)
+    name = autoformat.requested(format, explicit_path=not catalog.is_name(spec))
+    # the format step times single decodes here, so its own context is small and has no slots or RPC
+    measure = replace(load, n_ctx=min(load.n_ctx, 2048), n_seq=1, kv_unified=False, rpc=(), tensor_split=())
+    return autoformat.resolve(path, name, measure)[0]
 
 
 class Loader:
@@ -49,9 +56,11 @@ class Loader:
 
     def __init__(self, target: Path, draft: str | Path | None, slim: str | Path | None,
                  draft_layers: str | None, slim_layers: str | None, load: LoadParams, *, f32: bool,
-                 pull_missing: bool, progress: Progress | None) -> None:
-        """`target` is a resolved file (`model_file`); draft and slim are resolved when loaded."""
+                 pull_missing: bool, progress: Progress | None, format: str | None = None) -> None:
+        """`target` is a resolved file (`model_file`); draft and slim are resolved when loaded, a
+        catalog draft in `format` (model_file)."""
         self.load, self._f32, self._pull, self._progress = load, f32, pull_missing, progress
+        self._format = format
         self._draft, self._draft_layers = draft, draft_layers
         self._slim, self._slim_layers = slim, slim_layers
         self._lock = threading.Lock()  # one thread loads a mode's models
@@ -89,7 +98,7 @@ class Loader:
     def _derived(self, role: str, given: str | Path | None, layers: str | None, mode: str) -> LlamaModel:
         """The draft or slim: a given file, else a slim of the target's `layers`; checked against it."""
         if given is not None:
-            path = model_file(given, self._pull, self._f32)
+            path = model_file(given, self._pull, self._f32, self._format, self.load)
         elif layers:
             path = build_slim(self.target_path, layers)
         else:
@@ -106,6 +115,8 @@ def pair_arguments(name: str | None, tuned: bool, overrides: dict, fallback_mode
     the mode, the slim layers and each mode's knobs; keywords given win, `overrides` (SpecParams
     fields) change single knobs of every mode's tuned spec, an explicit `spec` replaces them all."""
     pair = catalog.pair(name)
+    # a format asked for (flag, Engine argument or VIA_EDGE_FORMAT) wins over the tuned one
+    asked = autoformat.requested(kwargs.get("format"), explicit_path=False)
     choice = load_choice(pair["name"]) if tuned else None
     if choice is not None:
         kwargs.setdefault("mode", choice.mode)
@@ -121,9 +132,10 @@ def pair_arguments(name: str | None, tuned: bool, overrides: dict, fallback_mode
     kwargs.setdefault("draft_layers", pair.get("draft_layers"))
     kwargs.setdefault("slim_layers", pair.get("slim_layers"))
     target, draft = pair["target"], pair.get("draft")
-    if choice is not None and not kwargs.get("f32"):  # the tuned weight formats (derived once, then reused)
+    if choice is not None and asked == autoformat.AUTO and not kwargs.get("f32"):  # the tuned weight formats
         pull = kwargs.get("pull_missing", False)
         target = formats.derive(catalog.resolve(target, pull_missing=pull), choice.target_format)
         if draft:
             draft = formats.derive(catalog.resolve(draft, pull_missing=pull), choice.draft_format)
+        kwargs["format"] = formats.SHIPPED  # the tuned files, as they are
     return pair["target"], target, draft, choice, kwargs

@@ -43,9 +43,12 @@ BUILD_SERVER = Path(__file__).resolve().parents[2] / "tools" / "build_llama_serv
 
 
 def make_peer(name: str, path: Path, n_ctx: int, n_threads: int, python: str | None, eos: int) -> "Peer | ServerPeer":
-    if name in SERVER_PEERS:
-        return ServerPeer(name, path, n_ctx, n_threads, eos)
-    return Peer(name, path, n_ctx, n_threads, python)
+    """A peer by name; "<peer>@<format>" is the same peer reading `path` in that format."""
+    base = name.partition("@")[0]
+    peer = ServerPeer(base, path, n_ctx, n_threads, eos) if base in SERVER_PEERS else \
+        Peer(base, path, n_ctx, n_threads, python)
+    peer.name = name
+    return peer
 
 
 def server_binary() -> Path | None:

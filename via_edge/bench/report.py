@@ -20,7 +20,8 @@ def summarize(results: dict) -> dict:
     methods = results["meta"]["methods"]
     refs = {m: {r["prompt_id"]: r for r in runs if r["method"] == m} for m in ("ar", "ar:json")}
     formats = results["meta"].get("formats", {})
-    peers = {p: {r["prompt_id"]: r for r in runs if r["method"] == p} for p in PEERS}
+    peers = {p: {r["prompt_id"]: r for r in runs if r["method"] == p} for p in methods
+             if p.partition("@")[0] in PEERS}  # "llama-server@shipped": a peer on another format
     peers = {p: by_prompt for p, by_prompt in peers.items() if by_prompt}
     summary = {}
     for method in methods:
@@ -48,7 +49,8 @@ def summarize(results: dict) -> dict:
                 "agreement_mean": sum(f["agreement"] for f in fid) / len(fid) if fid else float("nan"),
             },
             # "sd:tuned" is sd with tuned knobs; on another weight format than ar's it is not lossless
-            "lossless": method.split(":")[0] in LOSSLESS | set(PEERS) and formats.get(method) == formats.get("ar"),
+            "lossless": (method.split(":")[0].partition("@")[0] in LOSSLESS | set(PEERS)
+                         and formats.get(method) == formats.get("ar")),
             "format": formats.get(method, ""),
         }
         # the same ratios against what users already have: llama-cpp-python on the shipped file
@@ -143,7 +145,7 @@ def render_markdown(results: dict) -> str:
     for method, s in summary.items():
         lines.append(f"| {method} | " + " | ".join(_f(s["per_category_agreement"].get(c, float("nan")))
                                                    for c in cats) + " |")
-    present = [p for p in PEERS if any(p in s.get("vs_peers", {}) for s in summary.values())]
+    present = list(dict.fromkeys(p for s in summary.values() for p in s.get("vs_peers", {})))
     if len(present) > 1:
         lines += ["", "## Against each peer (geomean of tok/s ratios, min–max)", "",
                   "| method | " + " | ".join(present) + " |", "| --- |" + " --- |" * len(present)]

@@ -22,6 +22,7 @@ from ..machine import machine, versions
 from ..progress import StatusLine
 from ..tune.store import load_choice
 from ..weights import catalog
+from ..weights.autoformat import requested
 from ..weights.slim import target_sha256
 from .peers import DEFAULT_PEERS, PEERS, make_peer
 from .report import summarize
@@ -49,17 +50,21 @@ class BenchConfig:
     tuned: bool = False  # also every mode with the pair's tuned knobs and slim, as "<mode>:tuned"
     response_format: dict | None = None  # also every mode constrained to it, as "<mode>:json"
     remote: dict = field(default_factory=dict)  # LoadParams' rpc and tensor_split: the target over RPC servers
+    format: str | None = None  # the target's weight format (Engine's `format`; default auto)
     f32: bool = False
     quick: bool = False
     command: str = ""
 
     def validate(self) -> None:
-        unknown = [p for p in self.peers if p not in PEERS]
+        unknown = [p for p in self.peers if p.partition("@")[0] not in PEERS]
         if unknown:
             raise InvalidParameterError(f"unknown peer(s) {', '.join(unknown)}; choose from {', '.join(PEERS)}")
         if self.peer_python and not Path(self.peer_python).exists():
             raise InvalidParameterError(f"--peer-python {self.peer_python} does not exist")
-        bad = [m for m in self.modes if m not in MODE_NAMES]
+        for m in self.modes + self.peers:
+            if "@" in m:
+                requested(m.partition("@")[2], explicit_path=False)
+        bad = [m for m in self.modes if m.partition("@")[0] not in MODE_NAMES]
         if bad:
             raise InvalidParameterError(f"unknown mode(s) {', '.join(bad)}; choose from {', '.join(MODE_NAMES)}")
         if "ar" not in self.modes:
@@ -110,28 +115,33 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
         raise InvalidParameterError(f"--tuned: pair {engine_pair_name(cfg.pair)} was not tuned on this machine; "
                                     "run `via-edge tune` first")
     tuned = Engine.from_pair(cfg.pair, **common) if cfg.tuned else None
-    engine = Engine.from_pair(cfg.pair, tuned=False, spec=cfg.spec, **common)
+    engine = Engine.from_pair(cfg.pair, tuned=False, spec=cfg.spec, format=cfg.format, **common)
     engines = {"": engine, "tuned": tuned}
     peers: list = []
     try:
+        # "<mode>@<format>" and "<peer>@<format>" run on another weight format of the same target
+        for fmt in dict.fromkeys(m.partition("@")[2] for m in cfg.modes + cfg.peers if "@" in m):
+            engines["@" + fmt] = Engine.from_pair(cfg.pair, tuned=False, spec=cfg.spec, format=fmt, **common)
         for mode in cfg.modes:
-            for e in filter(None, engines.values()):
-                e.prepare(mode)
-        peers = [make_peer(name, engine.target_path, cfg.n_ctx, threads, cfg.peer_python, engine.target.eos)
-                 for name in cfg.peers]
+            base, _, fmt = mode.partition("@")
+            for key, e in engines.items():
+                if e is not None and (key == "@" + fmt or (not fmt and not key.startswith("@"))):
+                    e.prepare(base)
+        peers = [make_peer(name, engines[f"@{name.partition('@')[2]}" if "@" in name else ""].target_path,
+                           cfg.n_ctx, threads, cfg.peer_python, engine.target.eos) for name in cfg.peers]
         # ar:tuned differs from ar only when the tuned choice runs another weight format
         other_format = tuned is not None and tuned.target_path != engine.target_path
         methods = (list(cfg.modes) + [f"{m}:tuned" for m in cfg.modes if tuned and (m != "ar" or other_format)]
                    + [f"{m}:json" for m in cfg.modes if cfg.response_format] + [p.name for p in peers])
-        fmt = {"": engine.weight_format, "tuned": tuned.weight_format if tuned else "", "json": engine.weight_format}
-        formats = {m: fmt[m.partition(":")[2]] if m not in PEERS else fmt[""] for m in methods}
+        formats = {m: engine_of(m).weight_format for m in methods}
         by_name = {p.name: p for p in peers}
 
         def run_one(method: str, tokens: list[int]) -> dict:
             if method in by_name:
                 return by_name[method].run(tokens, cfg.max_tokens, engine.target.is_eog)
             mode, _, variant = method.partition(":")
-            e = engine if variant == "json" else engines[variant]  # json: answers constrained to the format
+            mode = mode.partition("@")[0]
+            e = engine_of(method)
             e.reset()
             constrained = {"response_format": cfg.response_format} if variant == "json" else {}
             res = e.generate(tokens, mode=mode, max_tokens=cfg.max_tokens, **constrained)
@@ -139,6 +149,13 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
             return {"tokens": res.tokens, "prefill_s": s.prefill_seconds, "gen_s": s.generate_seconds,
                     "tok_s": s.tokens_per_second, "stats": s.to_dict(), "tiers": res.tiers,
                     "origins": res.origins}
+
+        def engine_of(method: str) -> Engine:
+            """The engine a method runs on (a peer: the one whose file it reads)."""
+            variant = method.partition(":")[2]
+            if "@" in method:
+                return engines["@" + method.partition("@")[2].partition(":")[0]]
+            return tuned if variant == "tuned" else engine  # json: the default engine, answers constrained
 
         warm = engine.tokens_for(WARMUP, True)
         for method in methods:

@@ -79,7 +79,10 @@ def _response_format(path: Path | None) -> dict | None:
 @shared(SPEC_OPTS)
 def bench(
     pair: Optional[str] = typer.Option(None, help="Catalog pair (default: qwen2.5-coder)."),
-    modes: str = typer.Option("ar,sd,via,hier,lookup", help="Comma-separated modes; must include ar."),
+    modes: str = typer.Option("ar,sd,via,hier,lookup", help="Comma-separated modes; must include ar. MODE@FORMAT "
+                              "runs a mode on another weight format (e.g. ar@shipped), as does PEER@FORMAT."),
+    weight_format: Optional[str] = typer.Option(None, "--format", help="The target's weight format for the modes "
+                                                "and peers: auto (default), shipped, or a recipe (q4_0, ...)."),
     suite: str = typer.Option("spec-bench", help="spec-bench, or a JSONL file with 'prompt' or 'turns'."),
     categories: Optional[str] = typer.Option(None, help="Comma-separated categories (default: all)."),
     per_category: int = typer.Option(1, help="Prompts per category (the first ones, in file order)."),
@@ -136,7 +139,7 @@ def bench(
                         per_category=per_category, max_tokens=max_tokens, exact=exact, n_ctx=ctx,
                         threads=threads, tuned=tuned, quick=quick, command="via-edge " + " ".join(sys.argv[1:]),
                         response_format=_response_format(response_format), remote=remote(rpc, tensor_split),
-                        spec=SpecParams(**opts.spec_overrides()))
+                        spec=SpecParams(**opts.spec_overrides()), format=weight_format)
     if quick:
         cfg.pair = pair or B.QUICK["pair"]
         cfg.categories = cfg.categories or B.QUICK["categories"]

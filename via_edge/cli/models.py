@@ -33,9 +33,9 @@ def models_list() -> None:
     files = derived.derived_files()
     used = derived.in_use(files)
     typer.echo(f"derived files: {len(files)}, {sum(d.size for d in files) / 1e9:.1f} GB "
-               "(`models rm FILE`, `models prune` deletes those no tuned choice uses)")
+               "(`models rm FILE`, `models prune` deletes those no stored choice uses)")
     for d in files:
-        use = f"  in use: tuned {used[d.path]}" if d.path in used else ""
+        use = f"  in use: {used[d.path]}" if d.path in used else ""
         typer.echo(f"  {d.size / 1e9:5.2f} GB  {d.kind:20s} of {derived.source_name(d.source):28s} {d.path}{use}")
 
 
@@ -54,14 +54,14 @@ def models_rm(files: List[str] = typer.Argument(..., help="Derived files (paths 
 @shared()
 def models_prune(dry_run: bool = typer.Option(False, "--dry-run", help="Only say what would go."),
                  everything: bool = typer.Option(False, "--all", help="Also the files tuned choices use.")) -> None:
-    """Delete the derived files no tuned choice uses (all of them with --all)."""
+    """Delete the derived files no stored choice (tuned, or automatic format) uses (all with --all)."""
     files = derived.derived_files()
     used = {} if everything else derived.in_use(files)
     gone = [d for d in files if d.path not in used]
     for d in gone:
         typer.echo(f"  {'would delete' if dry_run else 'deleting'} {d.kind} ({d.size / 1e9:.2f} GB) {d.path}")
     freed = sum(d.size for d in gone) if dry_run else sum(derived.remove(d.path) for d in gone)
-    typer.echo(f"{'would free' if dry_run else 'freed'} {freed / 1e9:.2f} GB; kept {len(used)} in use by tuned choices")
+    typer.echo(f"{'would free' if dry_run else 'freed'} {freed / 1e9:.2f} GB; kept {len(used)} in use by stored choices")
 
 
 @models_app.command("pull")

@@ -25,6 +25,7 @@ from ..engine import Engine
 from ..errors import ViaEdgeError
 from ..llama import EXACT, MAX_SEQ, LoadParams
 from ..progress import StatusLine
+from ..weights.autoformat import requested
 from ..weights.slim import parse_layers
 
 # what Ctrl-C interrupts, said when it does (set by each command as it goes)
@@ -86,6 +87,10 @@ MODEL_OPTS = (
     Opt("draft_layers", Optional[str], None, "Use a slim of the target as the draft, e.g. 0-11."),
     Opt("slim_layers", Optional[str], None, "Target blocks for the slim verifier, e.g. 0-3,14-27"
         + _tuned_note("the catalog's")),
+    Opt("format", Optional[str], None, "Weight format: auto (derive and measure once per machine the formats this "
+        "CPU runs faster, use the best that keeps quality), shipped (the file as it is), or q4_0, iq4_nl, ... "
+        "(default: tuned, else auto for catalog models, shipped for a GGUF path; VIA_EDGE_FORMAT).",
+        show_default=False),
     Opt("untuned", bool, False, "Ignore the pair's tuned choice (via-edge tune) on this machine.", ("--untuned",)),
 )
 RUN_OPTS = (
@@ -148,7 +153,7 @@ class Options:
         load = LoadParams(n_ctx=v["ctx"] or 4096 * n_parallel, n_threads=v["threads"], n_gpu_layers=v["gpu_layers"],
                           flash_attn=v["flash_attn"], kv_type=v["kv_type"], **(EXACT if v["exact"] else {}),
                           **remote(v["rpc"], v["tensor_split"]))
-        kw: dict[str, Any] = dict(load=load, n_parallel=n_parallel, pull_missing=True,
+        kw: dict[str, Any] = dict(load=load, n_parallel=n_parallel, pull_missing=True, format=v["format"],
                                   progress=load_progress if progress else None)
         for key, value in (("draft_layers", v["draft_layers"]), ("slim_layers", v["slim_layers"]), ("mode", mode)):
             if value:
@@ -182,6 +187,8 @@ def check_values(opts: Options) -> None:
     for name in ("draft_layers", "slim_layers"):
         if v.get(name):
             parse_layers(v[name], None)
+    if "format" in v:
+        requested(v["format"], explicit_path=True)  # the name, or VIA_EDGE_FORMAT's
     if "rpc" in v:
         remote(v["rpc"], v["tensor_split"])
 

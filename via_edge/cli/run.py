@@ -59,13 +59,14 @@ def generate(
         s = res.stats
         if as_json:
             out = res.to_dict()
+            out["format"] = engine.format
             out["models"] = {role: str(m.path) for role in ("target", "draft", "slim")
                              if (m := getattr(engine.models, role)) is not None}
             out["timings"] = timings(res)
             typer.echo(json.dumps(out, indent=2))
         else:
             sys.stdout.write("\n")
-            err(f"[{res.mode}] {s.generated_tokens} tokens, {s.tokens_per_second:.1f} tok/s "
+            err(f"[{res.mode}, {engine.format}] {s.generated_tokens} tokens, {s.tokens_per_second:.1f} tok/s "
                  f"(prompt {s.prompt_tokens} tokens, {s.prompt_tokens_per_second:.0f} tok/s)"
                  + (f", accepted {s.draft_n_accepted}/{s.draft_n} drafted, {s.mean_accepted_per_round:.1f} per "
                     f"round, drafts of {s.mean_draft_length:.1f}" if s.draft_n else "")
@@ -158,6 +159,7 @@ def info() -> None:
     from ..llama import default_threads, rpc
     from ..machine import build, cpu_name, has_amx, machine_key, versions
     from ..tune.store import tuned_dir
+    from ..weights.autoformat import all_stored
 
     b, v = build(), versions()
     typer.echo(f"via-edge {v['via_edge']}, llama-cpp-python {v['llama-cpp-python']}")
@@ -173,4 +175,8 @@ def info() -> None:
     others = sorted(p.name for p in tuned_dir().glob("*.choice.json") if machine_key() not in p.name)
     typer.echo(f"tuned choices: {tuned_dir()}; for this machine and build: {', '.join(mine) or 'none'}"
                + (f"; {len(others)} made elsewhere (not used here)" if others else ""))
+    auto = all_stored()
+    typer.echo(f"automatic weight formats for this machine and build: {'none yet' if not auto else ''}")
+    for c in auto:
+        typer.echo(f"  {c.source}: {c.format} ({c.reason}; {c.date})")
 

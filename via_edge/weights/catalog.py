@@ -92,6 +92,13 @@ class Entry:
         return None
 
 
+def is_name(spec: str | os.PathLike) -> bool:
+    """Does `spec` name a catalog model (as `resolve` reads it), rather than a file?"""
+    s = str(spec)
+    path = Path(s).expanduser()
+    return not (path.suffix == ".gguf" or os.sep in s or path.exists()) and s in load_catalog()["models"]
+
+
 def entry(name: str) -> Entry:
     cat = load_catalog()
     models = cat["models"]

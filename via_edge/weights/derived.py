@@ -11,6 +11,7 @@ from pathlib import Path
 from ..errors import ViaEdgeError
 from ..tune.store import all_choices
 from . import catalog
+from .autoformat import all_stored
 from .formats import variant_source
 from .slim import format_layers, slim_source
 
@@ -64,8 +65,8 @@ def source_name(sha: str) -> str:
 
 
 def in_use(files: list[Derived]) -> dict[Path, str]:
-    """The derived files a stored tuned choice loads (the formats of its pair's models, and its
-    slim, cut from the chosen target file), with the pair that uses each."""
+    """The derived files a stored choice loads: a tuned one (the formats of its pair's models, and
+    its slim, cut from the chosen target file) or an automatic format, with what uses each."""
     used: dict[Path, str] = {}
     pairs = catalog.load_catalog()["pairs"]
     for choice in all_choices():
@@ -76,7 +77,10 @@ def in_use(files: list[Derived]) -> dict[Path, str]:
         if choice.slim_layers:
             cut_from = next((d for d in files if (d.kind, d.source) == fmt), None)
             keep.add((f"slim {choice.slim_layers}", catalog.sha256_cached(cut_from.path) if cut_from else target_sha))
-        used.update({d.path: choice.pair for d in files if (d.kind, d.source) in keep})
+        used.update({d.path: f"tuned {choice.pair}" for d in files if (d.kind, d.source) in keep})
+    for auto in all_stored():  # the automatic formats of this machine and build
+        used.update({d.path: "automatic format" for d in files
+                     if (d.kind, d.source) == (f"format {auto.format}", auto.sha256) and d.path not in used})
     return used
 
 
