@@ -73,7 +73,7 @@ def test_generate_json(tiny_target, mode):
 def test_generate_streams_text_and_reports(tiny_target):
     proc = cli("generate", "hello world", "--target", tiny_target, "--draft-layers", "0-1", "--mode", "sd",
                "-n", 12, *EXACT_FLAGS, process=True)
-    assert proc.stdout.strip() and "[sd] " in proc.stderr and "tok/s" in proc.stderr
+    assert proc.stdout.strip() and "[sd, shipped] " in proc.stderr and "tok/s" in proc.stderr
 
 
 def test_bad_input_gives_one_clear_message(tiny_target, tmp_path):

@@ -13,6 +13,7 @@ from ..files import write_text
 from .metrics import fidelity, geomean, spread
 from .metrics import fmt as _f
 from .peers import PEERS
+from .tasks import mcnemar
 
 
 def summarize(results: dict) -> dict:
@@ -81,6 +82,13 @@ def summarize(results: dict) -> dict:
                                   "seconds": round(sum(s[role]["seconds"] for s in stats), 3)}
                            for role in ("draft", "slim", "target")},
             })
+        checked = [r for r in mine if "passed" in r]
+        if checked:  # task accuracy, paired with ar's answers to the same problems
+            mine_by_id = {r["prompt_id"]: r["passed"] for r in checked}
+            both = [pid for pid in mine_by_id if "passed" in ar.get(pid, {})]
+            entry["task"] = {"problems": len(checked), "passed": sum(mine_by_id.values()),
+                             "pass_at_1": sum(mine_by_id.values()) / len(checked),
+                             "vs_ar": mcnemar([mine_by_id[p] for p in both], [ar[p]["passed"] for p in both])}
         summary[method] = entry
     return summary
 
@@ -135,6 +143,16 @@ def render_markdown(results: dict) -> str:
             f"| {_f(s['speedup'])}x | {_f(sp['min'])}–{_f(sp['max'])} | {vp} | {_f(s['fidelity']['exact_rate'])} "
             f"| {_f(s['fidelity']['prefix_share_mean'])} | {_f(s['fidelity']['agreement_mean'])} "
             f"| {_f(s.get('rejection_rate', float('nan')))} | {_f(s.get('mean_accepted_per_round', float('nan')))} |")
+    tasks = {m: s["task"] for m, s in summary.items() if "task" in s}
+    if tasks:
+        lines += ["", "## Task accuracy (answers run against the problems' unit tests; McNemar's exact test "
+                  "against `ar` on the same problems)", "",
+                  "| method | weights | pass@1 | passed / problems | only this method passes | only ar passes | p-value |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for method, t in tasks.items():
+            v = t["vs_ar"]
+            lines.append(f"| {method} | {summary[method].get('format', '')} | {_f(t['pass_at_1'], 3)} "
+                         f"| {t['passed']} / {t['problems']} | {v['a_only']} | {v['b_only']} | {_f(v['p_value'], 3)} |")
     cats = sorted({p["category"] for p in meta["prompts"]})
     lines += ["", "## Speedup per category (geometric mean)", "",
               "| method | " + " | ".join(cats) + " |", "| --- |" + " --- |" * len(cats)]

@@ -27,6 +27,7 @@ from ..weights.slim import target_sha256
 from .peers import DEFAULT_PEERS, PEERS, make_peer
 from .report import summarize
 from .suite import Prompt, load_prompts
+from .tasks import passes
 
 WARMUP = "Say hello in one short sentence."
 QUICK = dict(pair="smollm2", per_category=1, max_tokens=32,
@@ -189,6 +190,8 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
                 order = methods[i % len(methods):] + methods[: i % len(methods)]
                 for position, method in enumerate(order):
                     r = run_one(method, tokens)
+                    if prompt.check is not None:  # task accuracy: does the answer pass the unit tests?
+                        r["passed"] = passes(prompt.check, engine.target.detokenize(r["tokens"]))
                     r.update(prompt_id=prompt.id, category=prompt.category, method=method, order=position,
                              prompt_tokens=len(tokens), generated_tokens=len(r["tokens"]))
                     runs.append(r)

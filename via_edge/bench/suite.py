@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 from itertools import cycle, islice, zip_longest
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
 
 from ..errors import InvalidParameterError
+from .tasks import HUMANEVAL, Problem, humaneval_rows
 
 SPEC_BENCH = "spec-bench"
 EDIT = "edit"
@@ -21,6 +22,7 @@ class Prompt:
     category: str
     text: str                      # the (last) user message
     turns: tuple[str, ...] = ()    # a multi-turn row's user messages, `text` the last of them
+    check: Problem | None = field(default=None, compare=False)  # unit tests the answer must pass (tasks.py)
 
 
 def packaged_rows(suite: str) -> list[dict]:
@@ -49,8 +51,9 @@ def to_prompt(row: dict, i: int, suite: str = "") -> Prompt:
     text = row.get("prompt") or (turns[-1] if row.get("multi_turn") else (turns or [None])[0])
     if not isinstance(text, str) or not text.strip():
         raise InvalidParameterError(f"{suite}: row {i + 1} has no 'prompt' or 'turns'")
+    check = Problem(**row["check"]) if isinstance(row.get("check"), dict) else None
     return Prompt(str(row.get("question_id", row.get("id", i + 1))), row.get("category", "default"), text,
-                  tuple(turns) if row.get("multi_turn") else ())
+                  tuple(turns) if row.get("multi_turn") else (), check)
 
 
 def prompts_in_turn(suite: str, categories: list[str] | None, n: int) -> list[Prompt]:
@@ -67,7 +70,8 @@ def prompts_in_turn(suite: str, categories: list[str] | None, n: int) -> list[Pr
 def load_prompts(suite: str, categories: list[str] | None, per_category: int) -> list[Prompt]:
     """A fixed subset: the first `per_category` prompts of each category in file order.
 
-    `suite` is a comma-separated list of packaged suites (`spec-bench`, `edit`) and JSONL files
+    `suite` is a comma-separated list of packaged suites (`spec-bench`, `edit`, `humaneval`: task
+    accuracy, tasks.py) and JSONL files
     whose rows hold `prompt` or `turns` (the first turn, or all with `multi_turn`), optionally
     `category` and `id`.
     """
@@ -75,7 +79,8 @@ def load_prompts(suite: str, categories: list[str] | None, per_category: int) ->
         raise InvalidParameterError("--per-category must be at least 1")
     prompts: list[Prompt] = []
     for name in [x.strip() for x in suite.split(",") if x.strip()]:
-        rows = packaged_rows(name) if name in PACKAGED else _file_rows(name)
+        rows = humaneval_rows() if name == HUMANEVAL else packaged_rows(name) if name in PACKAGED else \
+            _file_rows(name)
         prompts += [to_prompt(row, i, name) for i, row in enumerate(rows)]
     known = list(dict.fromkeys(p.category for p in prompts))
     wanted = categories or known

@@ -20,7 +20,7 @@ from ..llama import LlamaModel, LoadParams
 from ..machine import build
 from ..weights import formats
 from ..weights.catalog import model_dir, sha256_cached
-from ..weights.quality import Quality, compare, greedy_continuations
+from ..weights.quality import Quality, compare, greedy_continuations, work_units
 
 SURVEY_BATCHES = (1, 2, 4, 8, 16)  # 4 and 16: the repack kernels' row blocks
 SURVEY_CONTEXT = 384
@@ -65,8 +65,10 @@ def pick(rows: Sequence[FormatRow], floor: float, n: int = 1) -> FormatRow:
 
 def survey(sources: Mapping[str, Path], names: Sequence[str], prompts: Sequence[list[int]], load: LoadParams, *,
            continuation: int = 48, repeats: int = 5, batches: Sequence[int] = SURVEY_BATCHES,
-           log: Callable[[str], None] = lambda m: None, quiet: bool = False) -> dict[str, list[FormatRow]]:
-    """Per role ("target", "draft"), one row per format in `names` (the shipped file first)."""
+           log: Callable[[str], None] = lambda m: None, quiet: bool = False,
+           progress: Callable[[str, float], None] | None = None) -> dict[str, list[FormatRow]]:
+    """Per role ("target", "draft"), one row per format in `names` (the shipped file first);
+    `progress(stage, fraction)` follows the quality and cost measurements."""
     formats.check_names(list(names))
     names = [formats.SHIPPED] + [n for n in names if n != formats.SHIPPED]
     paths = {(role, n): formats.derive(src, n, quiet=quiet, threads=load.n_threads)
@@ -76,7 +78,8 @@ def survey(sources: Mapping[str, Path], names: Sequence[str], prompts: Sequence[
     for role in sources:
         t0 = time.monotonic()
         found = qualities(sources[role], {n: paths[(role, n)] for n in names if n != formats.SHIPPED}, prompts,
-                          continuation, load)
+                          continuation, load, (lambda f, role=role: progress(f"quality of the {role}'s formats", f))
+                          if progress else None)
         for r in rows[role]:
             r.quality = found.get(r.format)
         log(f"quality of the {role}'s {len(found)} variants in {time.monotonic() - t0:.0f}s")
@@ -86,7 +89,9 @@ def survey(sources: Mapping[str, Path], names: Sequence[str], prompts: Sequence[
             opened[f"{role}/{n}"] = LlamaModel(path, load)
         fill = [t for p in prompts for t in p]
         t0 = time.monotonic()
-        profile = costs.measure(opened, fill, batches=batches, contexts=(SURVEY_CONTEXT,), repeats=repeats)
+        profile = costs.measure(opened, fill, batches=batches, contexts=(SURVEY_CONTEXT,), repeats=repeats,
+                                progress=(lambda done, total: progress("timing each format", done / total))
+                                if progress else None)
         log(f"costs of {len(opened)} models at n={','.join(map(str, batches))} in {time.monotonic() - t0:.0f}s")
     finally:
         for m in opened.values():
@@ -98,7 +103,7 @@ def survey(sources: Mapping[str, Path], names: Sequence[str], prompts: Sequence[
 
 
 def qualities(source: Path, variants: Mapping[str, Path], prompts: Sequence[list[int]], continuation: int,
-              load: LoadParams) -> dict[str, Quality]:
+              load: LoadParams, progress: Callable[[float], None] | None = None) -> dict[str, Quality]:
     """Each variant's quality against its source, cached per (source SHA-256, format, prompts,
     continuation, kernels): the figures depend on the weights and the kernels that run them, not
     on the machine, so a re-tune or another machine with the same build reuses them.
@@ -128,8 +133,17 @@ def qualities(source: Path, variants: Mapping[str, Path], prompts: Sequence[list
         opened["source"] = reference
         for name, path in todo.items():
             opened[name] = LlamaModel(path, load)
-        conts = greedy_continuations(reference, prompts, continuation)
-        found = compare(reference, {n: opened[n] for n in todo}, prompts, conts)
+        total, done = work_units(len(prompts), len(todo)), [0]
+
+        def tick() -> None:
+            done[0] += 1
+            if progress:
+                progress(min(done[0] / total, 0.99))
+
+        conts = greedy_continuations(reference, prompts, continuation, tick)
+        found = compare(reference, {n: opened[n] for n in todo}, prompts, conts, tick=tick)
+        if progress:
+            progress(1.0)
     finally:
         for m in opened.values():
             m.close()

@@ -26,6 +26,7 @@ from ..errors import InvalidParameterError, ViaEdgeError
 from ..files import read_json, write_json
 from ..llama import LoadParams, system_info
 from ..machine import build, cpu_name, machine_key
+from ..progress import StatusLine
 from . import formats
 from .catalog import model_dir, sha256_cached
 
@@ -205,8 +206,13 @@ def choose(source: Path, sha: str, load: LoadParams, *, names: Sequence[str] | N
     with LlamaModel(source, load) as m:  # prompts cut to leave room for the answer in a small context
         prompts = [chat_tokens(m, [{"role": "user", "content": q.text}])[: m.n_ctx // 2]
                    for q in calibration_prompts(1)[:PROMPTS]]
+    lines: dict[str, StatusLine] = {}
+
+    def progress(stage: str, frac: float) -> None:
+        lines.setdefault(stage, StatusLine(quiet)).show(frac, f"format step: {stage} {int(frac * 100):3d}%")
+
     rows = survey({"target": source}, names, prompts, load, continuation=TOKENS, repeats=REPEATS, batches=(1,),
-                  log=lambda m: None if quiet else say(f"  format step: {m}"), quiet=quiet)["target"]
+                  quiet=quiet, progress=progress)["target"]
     shipped, found = rows[0], []
     for r in rows:
         q = r.quality

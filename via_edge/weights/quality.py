@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from importlib import resources
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -43,7 +43,11 @@ class Quality:
         return {**asdict(self), "ppl_ratio": self.ppl_ratio}
 
 
-def greedy_continuations(model: LlamaModel, prompts: Sequence[list[int]], n: int) -> list[list[int]]:
+Tick = Callable[[], None]  # one unit of work done (a prompt, a model's prompt, a perplexity window)
+
+
+def greedy_continuations(model: LlamaModel, prompts: Sequence[list[int]], n: int,
+                         tick: Tick = lambda: None) -> list[list[int]]:
     """The model's own greedy output for each prompt, made by the decoding loop's `ar` from a cold
     cache (the prompt but its last token prefilled, as the engine does)."""
     decoder = Decoder(ScoredModel(model))
@@ -52,7 +56,13 @@ def greedy_continuations(model: LlamaModel, prompts: Sequence[list[int]], n: int
         model.reset()
         model.seqs[0].prefill(prompt[:-1])
         out.append([c.token for c in decoder.generate(prompt, "ar", SamplingParams(), n, Stats())])
+        tick()
     return out
+
+
+def work_units(prompts: int, variants: int) -> int:
+    """The ticks of `greedy_continuations` plus `compare` (for a progress bar)."""
+    return prompts + prompts * (1 + variants) + (1 + variants) * (PPL_TOKENS // WINDOW + 1)
 
 
 def _log_softmax(rows: np.ndarray) -> np.ndarray:
@@ -61,7 +71,8 @@ def _log_softmax(rows: np.ndarray) -> np.ndarray:
 
 
 def compare(source: LlamaModel, variants: Mapping[str, LlamaModel], prompts: Sequence[list[int]],
-            continuations: Sequence[list[int]], text: Sequence[int] | None = None) -> dict[str, Quality]:
+            continuations: Sequence[list[int]], text: Sequence[int] | None = None,
+            tick: Tick = lambda: None) -> dict[str, Quality]:
     """Each variant against `source`: agreement and KL along `continuations` (the source's own,
     see `greedy_continuations`; the source's rows are computed once per prompt), perplexity on
     `text` (default: the shipped text, tokenized by the source)."""
@@ -75,20 +86,22 @@ def compare(source: LlamaModel, variants: Mapping[str, LlamaModel], prompts: Seq
         source.reset()
         ls = _log_softmax(np.array(source.seqs[0].eval(ctx, len(cont)), dtype=np.float32))
         top, ps = ls.argmax(1), np.exp(ls)
+        tick()
         for name, v in variants.items():
             v.reset()
             lv = _log_softmax(np.array(v.seqs[0].eval(ctx, len(cont)), dtype=np.float32))
             agree[name] += int((lv.argmax(1) == top).sum())
             kl[name] += float((ps * (ls - lv)).sum())
+            tick()
         positions += len(cont)
     tokens = list(text) if text is not None else ppl_tokens(source)
-    base = perplexity(source, tokens)
+    base = perplexity(source, tokens, tick)
     n = max(positions, 1)
-    return {name: Quality(agree[name] / n, kl[name] / n, perplexity(v, tokens), base, positions)
+    return {name: Quality(agree[name] / n, kl[name] / n, perplexity(v, tokens, tick), base, positions)
             for name, v in variants.items()}
 
 
-def perplexity(model: LlamaModel, tokens: Sequence[int]) -> float:
+def perplexity(model: LlamaModel, tokens: Sequence[int], tick: Tick = lambda: None) -> float:
     """exp(mean negative log-likelihood) of tokens[1:], scored in windows of WINDOW rows."""
     tokens = list(tokens)[: model.n_ctx]
     model.reset()
@@ -98,6 +111,7 @@ def perplexity(model: LlamaModel, tokens: Sequence[int]) -> float:
         rows = _log_softmax(np.array(model.seqs[0].eval(tokens[:end - 1], end - start), dtype=np.float32))
         nll -= float(rows[np.arange(end - start), tokens[start:end]].sum())
         count += end - start
+        tick()
     return float(np.exp(nll / max(count, 1)))
 
 
