@@ -102,6 +102,8 @@ def test_load_requests_take_the_categories_in_turn_and_every_prompt_before_repea
     (["--categories", "nope"], "unknown or empty categories"),
     (["--suite", "/no/such.jsonl"], "cannot read prompt file"),
     (["--pair", "nope"], "unknown pair"),
+    (["--modes", "ar,ar@q3"], "ar@q3: unknown weight format 'q3'"),
+    (["--format", "q3"], "--format must be auto, shipped or one of"),
 ])
 def test_bench_bad_input(tmp_path, args, match):
     proc = cli("bench", "--quick", "--out", tmp_path, *args)
@@ -151,6 +153,31 @@ def test_bench_quick_end_to_end(tmp_path):
     assert "| via (lossy) | F32 |" in (out / "report.md").read_text()
     diff = cli("bench", "--compare", out, out / "results.json")
     assert diff.returncode == 0 and "| sd |" in diff.stdout and "+0.0%" in diff.stdout
+
+
+@pytest.mark.slow
+def test_formats_side_by_side_and_task_accuracy(tmp_path):
+    """MODE@FORMAT and PEER@FORMAT run on another weight format of the same target in the same
+    run; the humaneval suite runs every answer against its unit tests and pairs them with ar's."""
+    out = tmp_path / "run"
+    proc = cli("bench", "--pair", "smollm2", "--suite", "humaneval", "--per-category", 2, "--modes", "ar,ar@q4_0",
+               "--peer", "llama-cpp-python@q4_0", "-n", 48, "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads((out / "results.json").read_text())
+    formats, summary = res["meta"]["formats"], res["summary"]
+    assert formats["ar@q4_0"] == formats["llama-cpp-python@q4_0"] == "q4_0" != formats["ar"]
+    assert not summary["ar@q4_0"]["lossless"] and summary["ar"]["lossless"]
+    assert "llama-cpp-python@q4_0" in summary["ar@q4_0"]["vs_peers"]
+    from via_edge.bench.tasks import passes
+
+    checks = {p.id: p.check for p in load_prompts("humaneval", None, 2)}
+    for r in res["runs"]:  # each verdict is the answer's own, run again here
+        assert r["passed"] == passes(checks[r["prompt_id"]], r["text"])
+    for method in ("ar", "ar@q4_0", "llama-cpp-python@q4_0"):
+        task = summary[method]["task"]
+        assert task["problems"] == 2 and task["passed"] == sum(r["passed"] for r in res["runs"] if r["method"] == method)
+    assert summary["ar"]["task"]["vs_ar"] == {"a_only": 0, "b_only": 0, "p_value": 1.0}
+    assert "## Task accuracy" in (out / "report.md").read_text()
 
 
 def test_load_benchmark_compares_parallel_with_one_at_a_time(tiny_target, tmp_path):

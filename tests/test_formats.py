@@ -187,6 +187,7 @@ def test_tuned_format_is_what_the_engine_loads(tmp_path, monkeypatch):
     from via_edge.weights.catalog import entry
 
     monkeypatch.setenv("VIA_EDGE_MODEL_DIR", str(tmp_path))
+    monkeypatch.setenv("VIA_EDGE_FORMAT", "auto")  # a tuned choice wins over auto, not over a format asked for
     shipped = entry("smollm2-135m-instruct").installed_path()
     path = tuned_path("smollm2", "choice")
     path.parent.mkdir(parents=True)
@@ -194,7 +195,9 @@ def test_tuned_format_is_what_the_engine_loads(tmp_path, monkeypatch):
     with Engine.from_pair("smollm2", n_ctx=256) as e:
         assert formats.variant_source(e.target_path)[0] == "q4_0" and e.weight_format == "q4_0"
         assert e.model_name == "smollm2-135m-instruct"
-    with Engine.from_pair("smollm2", tuned=False, n_ctx=256) as e:
+    with Engine.from_pair("smollm2", format="shipped", n_ctx=256) as e:
+        assert e.target_path == shipped and e.format == "shipped"
+    with Engine.from_pair("smollm2", tuned=False, format="shipped", n_ctx=256) as e:
         assert e.target_path == shipped
 
 

@@ -343,23 +343,43 @@ def test_stream_usage_comes_in_its_own_last_chunk(client):
 
 
 @pytest.mark.slow
-def test_sigterm_drains_for_a_bounded_time_then_cancels(smollm2):
-    """A running generation may finish for --drain seconds after SIGTERM; then it is cancelled
-    and the server exits, saying what it waited for (it once waited silently for 43 s)."""
-    proc, base = start(["--target", smollm2, "--mode", "ar", "--parallel", "1", "--drain", "2"])
+def test_sigterm_answers_running_streams_and_turns_the_queue_away(smollm2):
+    """After SIGTERM a running generation may finish for --drain seconds; at the deadline it is
+    stopped and still answered in full (a final chunk with finish_reason, then [DONE]); requests
+    waiting for a slot get a 503 at once, streamed or not; uvicorn cancels nothing."""
+
+    proc, base = start(["--target", smollm2, "--mode", "ar", "--parallel", "1", "--drain", "2", "--max-queue", "4"])
+    queued: dict[str, httpx.Response] = {}
+
+    def wait_in_queue(name: str, body: dict) -> None:
+        queued[name] = httpx.post(base + "/v1/completions", json=body, timeout=60)
+
     with httpx.stream("POST", base + "/v1/completions", json=ENDLESS, timeout=60) as r:
         lines = r.iter_lines()
         next(lines)
+        waiters = [threading.Thread(target=wait_in_queue, args=(name, body)) for name, body in
+                   (("plain", {**ENDLESS, "stream": False}), ("stream", ENDLESS))]
+        for w in waiters:
+            w.start()
+        deadline = time.time() + 10
+        while httpx.get(base + "/health").json()["queued"] < 2 and time.time() < deadline:
+            time.sleep(0.05)
         t0 = time.time()
         proc.terminate()
-        with contextlib.suppress(httpx.HTTPError):
-            for _ in lines:
-                pass
-    rc = proc.wait(30)
+        events = [line for line in lines if line.startswith("data: ")]
     waited = time.time() - t0
+    for w in waiters:
+        w.join(30)
+    rc = proc.wait(30)
     err = proc.stderr.read()
-    assert rc in (0, -signal.SIGTERM) and 1.5 < waited < 15, (rc, waited, err)  # uvicorn re-raises the signal
-    assert "1 running generations may finish for up to 2 s" in err
+    assert rc in (0, -signal.SIGTERM), (rc, err)
+    assert events[-1] == "data: [DONE]", events[-3:]
+    last = json.loads(events[-2][6:])
+    assert last["choices"][0]["finish_reason"] == "length" and 1.5 < waited < 10, (last, waited)
+    for name in ("plain", "stream"):
+        assert queued[name].status_code == 503, (name, queued[name].text)
+        assert queued[name].json()["error"]["code"] == "shutting_down"
+    assert "2 queued requests get a 503" in err and "Cancel" not in err and "ERROR" not in err, err
 
 
 def test_api_keys_guard_every_route_but_health_and_unknown_routes_are_openai_shaped(tiny_target):

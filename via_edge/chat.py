@@ -133,7 +133,8 @@ class ChatSession:
 
 def run(engine: Engine, **kwargs) -> None:
     session = ChatSession(engine, **kwargs)
-    session.write(f"via-edge chat: {engine.model_name}, mode {engine.mode}. /help for commands, Ctrl-D to quit.\n")
+    session.write(f"via-edge chat: {engine.model_name}, mode {engine.mode}, {engine.format} weights. "
+                  "/help for commands, Ctrl-D to quit.\n")
     while True:
         try:
             line = input("> ")

@@ -22,7 +22,8 @@ from ..machine import machine, versions
 from ..progress import StatusLine
 from ..tune.store import load_choice
 from ..weights import catalog
-from ..weights.autoformat import requested
+from ..weights.autoformat import AUTO, requested
+from ..weights.formats import FORMAT_NAMES
 from ..weights.slim import target_sha256
 from .peers import DEFAULT_PEERS, PEERS, make_peer
 from .report import summarize
@@ -63,8 +64,12 @@ class BenchConfig:
         if self.peer_python and not Path(self.peer_python).exists():
             raise InvalidParameterError(f"--peer-python {self.peer_python} does not exist")
         for m in self.modes + self.peers:
-            if "@" in m:
-                requested(m.partition("@")[2], explicit_path=False)
+            fmt = m.partition("@")[2]
+            if "@" in m and fmt != AUTO and fmt not in FORMAT_NAMES:
+                raise InvalidParameterError(f"{m}: unknown weight format '{fmt}'; choose from auto, "
+                                            f"{', '.join(FORMAT_NAMES)}")
+        if self.format is not None:
+            requested(self.format, explicit_path=False)
         bad = [m for m in self.modes if m.partition("@")[0] not in MODE_NAMES]
         if bad:
             raise InvalidParameterError(f"unknown mode(s) {', '.join(bad)}; choose from {', '.join(MODE_NAMES)}")
@@ -115,7 +120,8 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
     if cfg.tuned and load_choice(engine_pair_name(cfg.pair)) is None:
         raise InvalidParameterError(f"--tuned: pair {engine_pair_name(cfg.pair)} was not tuned on this machine; "
                                     "run `via-edge tune` first")
-    tuned = Engine.from_pair(cfg.pair, **common) if cfg.tuned else None
+    # --tuned asks for the tuned configuration, its formats included, whatever VIA_EDGE_FORMAT says
+    tuned = Engine.from_pair(cfg.pair, format=AUTO, **common) if cfg.tuned else None
     engine = Engine.from_pair(cfg.pair, tuned=False, spec=cfg.spec, format=cfg.format, **common)
     engines = {"": engine, "tuned": tuned}
     peers: list = []
@@ -132,8 +138,17 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
                            cfg.n_ctx, threads, cfg.peer_python, engine.target.eos) for name in cfg.peers]
         # ar:tuned differs from ar only when the tuned choice runs another weight format
         other_format = tuned is not None and tuned.target_path != engine.target_path
-        methods = (list(cfg.modes) + [f"{m}:tuned" for m in cfg.modes if tuned and (m != "ar" or other_format)]
-                   + [f"{m}:json" for m in cfg.modes if cfg.response_format] + [p.name for p in peers])
+        plain = [m for m in cfg.modes if "@" not in m]
+        methods = (list(cfg.modes) + [f"{m}:tuned" for m in plain if tuned and (m != "ar" or other_format)]
+                   + [f"{m}:json" for m in plain if cfg.response_format] + [p.name for p in peers])
+
+        def engine_of(method: str) -> Engine:
+            """The engine a method runs on (a peer: the one whose file it reads)."""
+            variant = method.partition(":")[2]
+            if "@" in method:
+                return engines["@" + method.partition("@")[2].partition(":")[0]]
+            return tuned if variant == "tuned" else engine  # json: the default engine, answers constrained
+
         formats = {m: engine_of(m).weight_format for m in methods}
         by_name = {p.name: p for p in peers}
 
@@ -150,13 +165,6 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
             return {"tokens": res.tokens, "prefill_s": s.prefill_seconds, "gen_s": s.generate_seconds,
                     "tok_s": s.tokens_per_second, "stats": s.to_dict(), "tiers": res.tiers,
                     "origins": res.origins}
-
-        def engine_of(method: str) -> Engine:
-            """The engine a method runs on (a peer: the one whose file it reads)."""
-            variant = method.partition(":")[2]
-            if "@" in method:
-                return engines["@" + method.partition("@")[2].partition(":")[0]]
-            return tuned if variant == "tuned" else engine  # json: the default engine, answers constrained
 
         warm = engine.tokens_for(WARMUP, True)
         for method in methods:
@@ -191,7 +199,8 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
                 for position, method in enumerate(order):
                     r = run_one(method, tokens)
                     if prompt.check is not None:  # task accuracy: does the answer pass the unit tests?
-                        r["passed"] = passes(prompt.check, engine.target.detokenize(r["tokens"]))
+                        r["text"] = engine.target.detokenize(r["tokens"])
+                        r["passed"] = passes(prompt.check, r["text"])
                     r.update(prompt_id=prompt.id, category=prompt.category, method=method, order=position,
                              prompt_tokens=len(tokens), generated_tokens=len(r["tokens"]))
                     runs.append(r)

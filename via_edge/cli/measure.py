@@ -171,7 +171,7 @@ def tune(
                                          "token agreement with the target's greedy output."),
     slim_budget: float = typer.Option(0.75, help="A slim may cost at most this share of the target's "
                                       "verification call."),
-    search_evals: int = typer.Option(20, help="Slims the layer search may build and score."),
+    search_evals: int = typer.Option(8, help="Slims the layer search may build and score."),
     calib_tokens: int = typer.Option(48, help="Target tokens recorded per calibration prompt."),
     heldout: int = typer.Option(4, help="Held-out prompts for the real check of the prediction."),
     verify_tokens: int = typer.Option(48, help="Tokens per held-out prompt in the real check."),
@@ -180,7 +180,8 @@ def tune(
     threads: Optional[int] = typer.Option(None, help="CPU threads (default: all cores)."),
     formats_list: Optional[str] = typer.Option(None, "--formats", help="Weight formats to try for target and draft "
                                                "(comma-separated; 'shipped' alone skips the format step; default: "
-                                               "this build's, see `models optimize --help`)."),
+                                               "shipped and the automatic format's candidates, already measured on "
+                                               "first use; `models optimize --help` lists this build's wider set)."),
     quality_floor: float = typer.Option(QUALITY_FLOOR, help="A derived format must keep at least this teacher-forced "
                                         "top-1 agreement with the shipped file (0..1)."),
     out: Optional[Path] = typer.Option(None, help="Also write report.md, tune.json and frontier.png here."),
@@ -191,12 +192,12 @@ def tune(
     configuration offline, check the prediction with a real run, and store the choice generate,
     chat, serve and the API then use."""
     from ..tune.report import write_outputs
-    from ..tune.tuner import TuneConfig
+    from ..tune.tuner import TuneConfig, default_formats
     from ..tune.tuner import tune as run_tune
 
     check_range("ctx", ctx, 16, 1 << 20)
     check_range("threads", threads, 1, 1024)
-    names = format_names(formats_list)
+    names = format_names(formats_list) if formats_list else default_formats()
     check_floor(quality_floor)
     cfg = TuneConfig(pair=pair, fidelity_floor=fidelity_floor, slim_budget=slim_budget, search_evals=search_evals,
                      calib_tokens=calib_tokens, heldout=heldout, verify_tokens=verify_tokens, repeats=repeats,

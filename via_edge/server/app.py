@@ -167,19 +167,24 @@ def bind(host: str, port: int) -> socket.socket:
 def run(engine: Engine, sock: socket.socket, on_ready: Callable[[], None] | None = None, drain: float = 10.0,
         **kwargs) -> None:
     """Serve until SIGTERM or Ctrl-C, then let running generations finish for up to `drain`
-    seconds (saying how many), and cancel what is left."""
+    seconds (saying how many); queued requests get a 503, and what still runs at the deadline is
+    stopped and answered in full (dispatch.Dispatcher)."""
     import uvicorn
 
     app = create_app(engine, on_ready=on_ready, **kwargs)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:
-            if not self.should_exit and (engine.slots_busy or app.state.dispatch.gate.queued):
-                sys.stderr.write(f"via-edge: stopping; {engine.slots_busy} running generations may finish for "
-                                 f"up to {drain:g} s, {app.state.dispatch.gate.queued} queued requests are dropped\n")
-                sys.stderr.flush()
+            dispatch = app.state.dispatch
+            if not self.should_exit:
+                if engine.slots_busy or dispatch.gate.queued:
+                    sys.stderr.write(f"via-edge: stopping; {engine.slots_busy} running generations may finish for "
+                                     f"up to {drain:g} s, {dispatch.gate.queued} queued requests get a 503\n")
+                    sys.stderr.flush()
+                dispatch.stop(drain)  # signal handlers run on the event loop's thread
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=drain)
+    # uvicorn cuts connections at its own deadline: give the dispatcher's (which answers them) time to act first
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=drain + 5)
     Server(config).run(sockets=[sock])
 

@@ -39,6 +39,8 @@ def render_markdown(r: dict) -> str:
         "",
         f"**Choice: {r['choice']['summary']}**",
         "",
+        *([ "Skipped, to keep the tune short:", "", *(f"- {x}" for x in meta["skipped"]), ""]
+          if meta.get("skipped") else []),
         *([f"## Weight formats (quality floor {cfg.get('quality_floor')}: teacher-forced top-1 agreement with the "
            f"shipped file; costs at context 384, interleaved)", "", r["formats_table"], "",
            f"The draft runs {r['choice'].get('draft_format', 'shipped')} from here on (the cheapest single-token "

@@ -29,6 +29,21 @@ SURVEY_CONTEXT = 384
 # +1-8%), the draft's IQ4_NL 0.924 and its Q4_0 0.897 (perplexity +14%); a Q2_K SmolLM2 falls far
 # below (tests/test_formats.py). 0.90 admits the 4-bit target formats and rejects the rest.
 QUALITY_FLOOR = 0.90
+# The format step's calibration, shared by the automatic format (weights/autoformat.py) and the
+# tuner, so that the quality one measured is found in the other's cache: the first prompts of
+# `calibration_prompts()` (one per category), and the source's tokens compared after each.
+FORMAT_PROMPTS, FORMAT_TOKENS = 6, 32
+
+
+def format_prompts(model: LlamaModel) -> list[list[int]]:
+    """The format step's calibration prompts in `model`'s chat template, each cut to leave room
+    for its answer in a small context."""
+    from ..prompts import chat_tokens
+    from .record import calibration_prompts
+
+    keep = min(1024, model.n_ctx // 2)
+    return [chat_tokens(model, [{"role": "user", "content": q.text}])[:keep]
+            for q in calibration_prompts(1)[:FORMAT_PROMPTS]]
 
 
 def check_floor(floor: float) -> None:
@@ -66,9 +81,11 @@ def pick(rows: Sequence[FormatRow], floor: float, n: int = 1) -> FormatRow:
 def survey(sources: Mapping[str, Path], names: Sequence[str], prompts: Sequence[list[int]], load: LoadParams, *,
            continuation: int = 48, repeats: int = 5, batches: Sequence[int] = SURVEY_BATCHES,
            log: Callable[[str], None] = lambda m: None, quiet: bool = False,
-           progress: Callable[[str, float], None] | None = None) -> dict[str, list[FormatRow]]:
+           progress: Callable[[str, float], None] | None = None,
+           reused: list[str] | None = None) -> dict[str, list[FormatRow]]:
     """Per role ("target", "draft"), one row per format in `names` (the shipped file first);
-    `progress(stage, fraction)` follows the quality and cost measurements."""
+    `progress(stage, fraction)` follows the quality and cost measurements; `reused` collects the
+    "role/format" whose quality came from the cache."""
     formats.check_names(list(names))
     names = [formats.SHIPPED] + [n for n in names if n != formats.SHIPPED]
     paths = {(role, n): formats.derive(src, n, quiet=quiet, threads=load.n_threads)
@@ -79,7 +96,7 @@ def survey(sources: Mapping[str, Path], names: Sequence[str], prompts: Sequence[
         t0 = time.monotonic()
         found = qualities(sources[role], {n: paths[(role, n)] for n in names if n != formats.SHIPPED}, prompts,
                           continuation, load, (lambda f, role=role: progress(f"quality of the {role}'s formats", f))
-                          if progress else None)
+                          if progress else None, reused=reused, role=role)
         for r in rows[role]:
             r.quality = found.get(r.format)
         log(f"quality of the {role}'s {len(found)} variants in {time.monotonic() - t0:.0f}s")
@@ -103,7 +120,8 @@ def survey(sources: Mapping[str, Path], names: Sequence[str], prompts: Sequence[
 
 
 def qualities(source: Path, variants: Mapping[str, Path], prompts: Sequence[list[int]], continuation: int,
-              load: LoadParams, progress: Callable[[float], None] | None = None) -> dict[str, Quality]:
+              load: LoadParams, progress: Callable[[float], None] | None = None, reused: list[str] | None = None,
+              role: str = "model") -> dict[str, Quality]:
     """Each variant's quality against its source, cached per (source SHA-256, format, prompts,
     continuation, kernels): the figures depend on the weights and the kernels that run them, not
     on the machine, so a re-tune or another machine with the same build reuses them.
@@ -124,6 +142,8 @@ def qualities(source: Path, variants: Mapping[str, Path], prompts: Sequence[list
             out[name] = Quality(**json.loads(cache_path(name).read_text())["quality"])
         except (OSError, ValueError, KeyError, TypeError):
             pass
+    if reused is not None:
+        reused += [f"{role}/{n}" for n in out]
     todo = {n: p for n, p in variants.items() if n not in out}
     if not todo:
         return out

@@ -21,14 +21,11 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
-from ..bench.metrics import fidelity, geomean
 from ..decode import costs
 from ..decode.spec import SpecParams
-from ..engine import Engine
 from ..errors import InvalidParameterError, ViaEdgeError
 from ..files import write_json
 from ..llama import LlamaModel, LoadParams, default_threads
@@ -38,11 +35,30 @@ from ..weights import catalog, formats
 from ..weights.derived import derived_files, in_use, remove
 from ..weights.gguf_info import read_info
 from ..weights.slim import build_slim, format_layers, is_prefix
-from .choose import Candidate, best_per_mode, choose, copy_drafting_over_ar, final_choice, frontier, grid, predict
+from .choose import (
+    PREDICTED_MARGIN,
+    Candidate,
+    best_per_mode,
+    choose,
+    copy_drafting_over_ar,
+    final_choice,
+    frontier,
+    grid,
+    predict,
+)
 from .record import SlimTrace, Trace, calibration_prompts, capture_names, record, slim_traces
+from .check import verify
 from .search import Search
 from .store import TunedConfig, load_choice, tuned_path
-from .survey import QUALITY_FLOOR, FormatRow, check_floor, pick, survey, table
+from .survey import FORMAT_TOKENS, QUALITY_FLOOR, FormatRow, check_floor, format_prompts, pick, survey, table
+
+
+def default_formats() -> tuple[str, ...]:
+    """What `tune` tries by default: the shipped file and the automatic format's candidates, which
+    first use has derived and measured already (`--formats` widens the search)."""
+    from ..weights.autoformat import candidates
+
+    return (formats.SHIPPED, *candidates())
 
 
 @dataclass
@@ -52,7 +68,7 @@ class TuneConfig:
     out_length: int = 128          # output length that agreement is predicted for
     calib_tokens: int = 48         # target tokens recorded per calibration prompt
     search_prompts: int = 6        # calibration prompts the slim search scores on (the shortest)
-    search_evals: int = 20         # slims the search may build and score (about 23 s each here)
+    search_evals: int = 8          # slims the search may build and score (about 20 s each for the 1.5B)
     slim_budget: float = 0.75      # a slim may cost at most this share of the target's verify call
     heldout: int = 4               # held-out prompts for the real check
     verify_tokens: int = 48
@@ -61,7 +77,7 @@ class TuneConfig:
     batches: tuple[int, ...] = costs.PROFILE_BATCHES
     n_ctx: int = 4096
     threads: int | None = None
-    formats: tuple[str, ...] = field(default_factory=formats.default_formats)  # tried (shipped always)
+    formats: tuple[str, ...] = field(default_factory=lambda: default_formats())  # tried (shipped always)
     quality_floor: float = QUALITY_FLOOR  # a format's teacher-forced agreement with the shipped file
     replace: bool = False          # replace a stored choice made over formats this run does not try
     load: dict = field(default_factory=dict)  # extra LoadParams (tests: exact kernels)
@@ -91,12 +107,14 @@ class Setup:
     calibration: list           # calibration prompts (bench.suite.Prompt)
     heldout: list               # held-out prompts for the real check
     cal_tokens: list[list[int]]
+    format_tokens: list[list[int]]  # the format step's calibration (survey.format_prompts)
     before: set[Path]           # derived files that existed before the run (not removed at the end)
 
 
 @dataclass
 class FormatSurvey:
     rows: dict[str, list[FormatRow]]  # per role, the shipped file first
+    skipped: list[str]                # what the step did not do, and why (for the report)
     draft: FormatRow | None           # the draft's fastest passing format, used from here on
     ratios: dict[str, dict[int, float]]  # per passing target format: its cost / the shipped file's, by batch size
 
@@ -118,6 +136,7 @@ class SlimSearch:
     traces: dict[str, list[SlimTrace]]  # per finalist (layers), its traces on every calibration prompt
     model: dict[str, str]             # per finalist, its cost-profile name ("slim-K")
     finalists: list[dict]
+    skipped: list[str]                # why the search did not run, if it did not
 
 
 @dataclass
@@ -149,7 +168,7 @@ def tune(cfg: TuneConfig, quiet: bool = False) -> dict:
     pred = timed("predict", predict_all, cfg, rec, slims, fmts, log)
     fmt_path = formats.derive(setup.target_path, pred.chosen.format)
     checks = timed("verify", verify, fmt_path, _draft_path(setup, fmts), {**pred.best, **pred.below},
-                   setup.heldout, cfg, setup.load, log,
+                   setup.heldout, cfg.verify_tokens, setup.load, log,
                    setup.target_path if pred.chosen.format != formats.SHIPPED else None)
     final, why = final_choice(pred.chosen, pred.best, checks, cfg.fidelity_floor, pred.baseline)
     final, why = copy_drafting_over_ar(final, why, pred.best, checks, pred.chosen.format)
@@ -187,17 +206,26 @@ def prepare(cfg: TuneConfig) -> Setup:
     held = spare[:: max(1, len(spare) // cfg.heldout)][: cfg.heldout]  # spread over the categories
     with LlamaModel(target_path, load) as target:
         cal_tokens = [chat_tokens(target, [{"role": "user", "content": p.text}]) for p in cal]
-    return Setup(name, target_path, draft_path, bool(pair.get("draft")), load, threads, cal, held, cal_tokens, before)
+        fmt_tokens = format_prompts(target)
+    return Setup(name, target_path, draft_path, bool(pair.get("draft")), load, threads, cal, held, cal_tokens,
+                 fmt_tokens, before)
 
 
 def survey_formats(cfg: TuneConfig, setup: Setup, log: Log) -> FormatSurvey:
     """Weight-format variants of target and draft: their cost and quality against the shipped file."""
     sources = {"target": setup.target_path, **({"draft": setup.draft_path} if setup.has_draft else {})}
     rows: dict[str, list[FormatRow]] = {}
+    reused: list[str] = []
+    wider = [f for f in formats.default_formats() if f not in cfg.formats]
+    skipped = [f"formats {', '.join(wider)} not tried: each takes minutes to derive on a small machine and the "
+               "automatic format's candidates cover this build's fast kernels (`--formats` adds them)"] if wider else []
     if set(cfg.formats) - {formats.SHIPPED}:
         log(f"formats {', '.join(cfg.formats)} of {', '.join(sources)}: deriving (cached), quality, costs")
-        short = sorted(setup.cal_tokens, key=len)[: cfg.search_prompts]  # quality on the shortest: prefill is slow
-        rows = survey(sources, cfg.formats, short, setup.load, continuation=cfg.calib_tokens, log=log)
+        # the format step's calibration: quality the automatic format measured is read from its cache
+        rows = survey(sources, cfg.formats, setup.format_tokens, setup.load, continuation=FORMAT_TOKENS, log=log,
+                      reused=reused)
+        if reused:
+            skipped.append(f"quality of {', '.join(reused)} not measured again: read from the format step's cache")
         for role, rs in rows.items():
             log(f"  {role}: " + "; ".join(f"{r.format} {r.cost[1] * 1e3:.0f} ms/token"
                                          + (f", agreement {r.quality.agreement:.3f}" if r.quality else "")
@@ -206,7 +234,7 @@ def survey_formats(cfg: TuneConfig, setup: Setup, log: Log) -> FormatSurvey:
     shipped = rows["target"][0] if rows else None
     ratios = {r.format: {n: r.cost[n] / shipped.cost[n] for n in r.cost}
               for r in rows.get("target", [])[1:] if r.clears(cfg.quality_floor)}
-    return FormatSurvey(rows, draft, ratios)
+    return FormatSurvey(rows, skipped, draft, ratios)
 
 
 def _draft_path(setup: Setup, fmts: FormatSurvey) -> Path:
@@ -257,6 +285,12 @@ def search_slims(cfg: TuneConfig, setup: Setup, rec: Recorded, log: Log) -> Slim
     budget = max((k for k in range(1, n_blocks)
                   if profile.slim_cost(k, SpecParams().n_draft + 1, cfg.contexts[1]) <= cfg.slim_budget * verify_calls),
                  default=1)  # even one block over budget: search the cheapest slims anyway, the replay decides
+    bound = slim_bound(profile, cfg.contexts[1])
+    if bound < 1.0 + PREDICTED_MARGIN:
+        why = (f"slim search skipped: even if every draft token were kept and only the cheapest slim checked "
+               f"them, via would run at most {bound:.2f}x ar here, below the +{PREDICTED_MARGIN:.0%} margin")
+        log(why)
+        return SlimSearch(budget, [], {}, {}, [], [why])
     order = sorted(range(len(traces)), key=lambda i: len(traces[i].prompt))
     search_set = [traces[i] for i in order[: cfg.search_prompts]]
     scratch = Path(tempfile.mkdtemp(prefix="via-edge-search-", dir=catalog.model_dir()))
@@ -287,7 +321,16 @@ def search_slims(cfg: TuneConfig, setup: Setup, rec: Recorded, log: Log) -> Slim
     log("finalists: " + "; ".join(f"{d['layers']} agreement {d['agreement']:.2f}" for d in scores))
     scored = [{"layers": format_layers(s.layers), "blocks": len(s.layers), "strategy": s.strategy,
                "agreement": s.agreement, **s.extra} for s in search.scored.values()]
-    return SlimSearch(budget, scored, data, model, scores)
+    return SlimSearch(budget, scored, data, model, scores, [])
+
+
+def slim_bound(profile: costs.CostProfile, ctx: int) -> float:
+    """The most any slim mode could gain over ar: every draft token kept and checked by a one-block
+    slim, the target never called (via's best case; hier always calls the target, so it gains less)."""
+    ar = profile.cost("target", 1, ctx)
+    per_token = min((k * profile.cost("draft", 1, ctx) + profile.slim_cost(1, k + 1, ctx)) / (k + 1)
+                    for k in range(1, max(profile.batches)))
+    return ar / per_token
 
 
 def predict_all(cfg: TuneConfig, rec: Recorded, slims: SlimSearch, fmts: FormatSurvey, log: Log) -> Prediction:
@@ -333,7 +376,8 @@ def store(cfg: TuneConfig, setup: Setup, fmts: FormatSurvey, rec: Recorded, slim
                  "versions": versions(), "config": {k: (str(v) if isinstance(v, Path) else v)
                                                     for k, v in asdict(cfg).items()},
                  "calibration": [p.id for p in setup.calibration], "heldout": [p.id for p in setup.heldout],
-                 "timings": timings, "draft_agreement": rec.draft_agreement, "block_budget": slims.budget,
+                 "timings": timings, "skipped": fmts.skipped + slims.skipped,
+                 "draft_agreement": rec.draft_agreement, "block_budget": slims.budget,
                  "n_blocks": rec.n_blocks},
         "formats": {role: [r.to_dict() for r in rows] for role, rows in fmts.rows.items()},
         "formats_table": table(fmts.rows, cfg.quality_floor) if fmts.rows else "",
@@ -359,59 +403,6 @@ def store(cfg: TuneConfig, setup: Setup, fmts: FormatSurvey, rec: Recorded, slim
             + ", ".join(d.kind for d in dropped))
     result["removed"] = [str(d.path) for d in dropped]
     return result
-
-
-BASE = "ar (shipped)"  # the baseline's key in the checks when the choice is on another format
-
-
-def verify(target_path: Path, draft_path: Path, best: dict[str, Candidate], prompts, cfg: TuneConfig,
-           load: LoadParams, log: Callable[[str], None], baseline: Path | None = None) -> dict:
-    """Each mode's best configuration against ar on held-out prompts, interleaved and rotated.
-
-    With `baseline` (the shipped file, when `target_path` is a derived format), ar on it runs
-    beside them and every ratio and agreement is to it, so a format's speed and loss show up.
-    """
-    slim = next((c.slim for c in best.values() if c.slim), None)  # one slim for all modes (see tune)
-    engine = Engine(target_path, draft_path, slim_layers=slim, load=load)
-    base = Engine(baseline, load=load) if baseline else None
-    runners = {m: (engine, m, best[m].spec) for m in best}
-    if base:
-        runners[BASE] = (base, "ar", SpecParams())
-    ref = BASE if base else "ar"
-    methods = list(runners)
-    runs: dict[str, list[dict]] = {m: [] for m in methods}
-    try:
-        for m in best:
-            engine.prepare(m)
-        log(f"verifying {', '.join(methods)} on {len(prompts)} held-out prompts x {cfg.verify_tokens} tokens")
-        for i, p in enumerate(prompts):
-            tokens = engine.tokens_for(p.text, True)
-            order = methods[i % len(methods):] + methods[: i % len(methods)]
-            for m in order:
-                e, mode, spec = runners[m]
-                e.reset()
-                res = e.generate(tokens, mode=mode, max_tokens=cfg.verify_tokens, spec=spec)
-                runs[m].append({"prompt": p.id, "tokens": res.tokens, "tok_s": res.stats.tokens_per_second})
-    finally:
-        engine.close()
-        if base:
-            base.close()
-    out = {}
-    ar = {r["prompt"]: r for r in runs[ref]}
-    for m in methods:
-        if not runs[m]:
-            continue
-        ratios = [r["tok_s"] / ar[r["prompt"]]["tok_s"] for r in runs[m]]
-        agree = [fidelity(ar[r["prompt"]]["tokens"], r["tokens"])["agreement"] for r in runs[m]]
-        c = best.get(m)
-        out[m] = {"label": c.label() if c else "ar on the shipped file", "predicted_speedup": c.speedup if c else 1.0,
-                  "measured_speedup": geomean(ratios), "speedup_spread": [min(ratios), max(ratios)],
-                  "measured_agreement": float(np.mean(agree)), "predicted_fidelity": c.fidelity if c else 1.0,
-                  "tok_s": float(np.median([r["tok_s"] for r in runs[m]]))}
-        out[m]["prediction_error"] = out[m]["measured_speedup"] / out[m]["predicted_speedup"] - 1
-        log(f"  {m:6s} predicted {out[m]['predicted_speedup']:.2f}x, measured {out[m]['measured_speedup']:.2f}x "
-            f"(agreement {out[m]['measured_agreement']:.2f})")
-    return out
 
 
 def _finalists(ranked, n: int = 2):

@@ -39,7 +39,6 @@ MIN_SPEEDUP = 1.15  # below this at one token a user-invisible lossy change does
 # (`via-edge bench --suite humaneval`) found no pass@1 difference at that level (section 33).
 GATE_AGREEMENT = 0.90
 GATE_PPL_RATIO = 1.10
-PROMPTS, TOKENS = 6, 32      # calibration prompts x source tokens: ~190 positions, ~1 minute for the 1.5B
 REPEATS = 5                  # one-token decode timings per format (medians)
 
 
@@ -189,29 +188,26 @@ def choose(source: Path, sha: str, load: LoadParams, *, names: Sequence[str] | N
            say: Callable[[str], None] = print, min_speedup: float = MIN_SPEEDUP) -> FormatChoice:
     """Run the format step on `source` and store its choice (nothing is stored if it is
     interrupted or fails, so the next use runs it again)."""
-    from ..prompts import chat_tokens
     from ..llama import LlamaModel
-    from ..tune.record import calibration_prompts
-    from ..tune.survey import survey
+    from ..tune.survey import FORMAT_PROMPTS, FORMAT_TOKENS, format_prompts, survey
 
     names = tuple(names or candidates())
     sizes = {n: formats.estimate_size(source, formats.recipe(n)) for n in names}
     say(f"First use of {source.name} on this machine ({cpu_name()}, {build()['flavor']} build): {kernel_note()}, "
         f"so via-edge checks once whether {' or '.join(names)} answers like the shipped file and decodes faster. "
         f"It derives {' and '.join(f'{n} (~{sizes[n] / 1e9:.1f} GB)' for n in names)} next to the model, "
-        f"times one-token decoding and compares {PROMPTS * TOKENS} answer tokens and a perplexity text with the "
+        f"times one-token decoding and compares {FORMAT_PROMPTS * FORMAT_TOKENS} answer tokens and a perplexity text with the "
         "shipped file: a few minutes, once; the choice is then reused. `--format shipped` (or "
         f"{ENV}=shipped) skips it.")
     t0 = time.monotonic()
-    with LlamaModel(source, load) as m:  # prompts cut to leave room for the answer in a small context
-        prompts = [chat_tokens(m, [{"role": "user", "content": q.text}])[: m.n_ctx // 2]
-                   for q in calibration_prompts(1)[:PROMPTS]]
+    with LlamaModel(source, load) as m:
+        prompts = format_prompts(m)
     lines: dict[str, StatusLine] = {}
 
     def progress(stage: str, frac: float) -> None:
         lines.setdefault(stage, StatusLine(quiet)).show(frac, f"format step: {stage} {int(frac * 100):3d}%")
 
-    rows = survey({"target": source}, names, prompts, load, continuation=TOKENS, repeats=REPEATS, batches=(1,),
+    rows = survey({"target": source}, names, prompts, load, continuation=FORMAT_TOKENS, repeats=REPEATS, batches=(1,),
                   quiet=quiet, progress=progress)["target"]
     shipped, found = rows[0], []
     for r in rows:
