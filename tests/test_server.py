@@ -287,33 +287,40 @@ def test_busy_port_fails_before_loading(tiny_target):
 
 
 def test_a_burst_fills_the_slots_and_exactly_max_queue_more(smollm2):
-    """One slot, --max-queue 2, five streams opened at once: one generates, two queue, two get
-    503 saying 2 are queued (requests admitted together once all counted as queued, or as
-    running before they ran). Streams that hang up while queued leave the count."""
+    """One slot, --max-queue 2, five streams opened at once: one generates, two queue (a stream's
+    200 goes out when it gets its slot), two get a 503 at once saying 2 are queued. A stream that
+    hangs up passes its slot to the next in the queue, until the counts are back to zero."""
+    import queue as queue_mod
+
     with serving(["--target", smollm2, "--mode", "ar", "--parallel", "1", "--max-queue", "2"]) as base:
-        with httpx.Client(timeout=120, limits=httpx.Limits(max_connections=10)) as http, \
-                contextlib.ExitStack() as stack:
-            together = threading.Barrier(5)
+        got: queue_mod.Queue = queue_mod.Queue()
+        hang_up = threading.Event()
+        together = threading.Barrier(5)
 
-            def open_one(_i):
-                together.wait()
-                return stack.enter_context(http.stream("POST", base + "/v1/completions", json=ENDLESS))
+        def open_one(_i) -> None:
+            together.wait()
+            with httpx.stream("POST", base + "/v1/completions", json=ENDLESS, timeout=120) as r:
+                got.put((r.status_code, r.read().decode() if r.status_code == 503 else ""))
+                if r.status_code == 200:
+                    hang_up.wait(60)
 
-            with concurrent.futures.ThreadPoolExecutor(5) as pool:
-                replies = list(pool.map(open_one, range(5)))
-            codes = sorted(r.status_code for r in replies)
-            assert codes == [200, 200, 200, 503, 503]
-            refused = next(r for r in replies if r.status_code == 503)
-            assert "2 requests are queued (--max-queue 2)" in json.loads(refused.read())["error"]["message"]
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:
+            futures = [pool.submit(open_one, i) for i in range(5)]
+            first = [got.get(timeout=60) for _ in range(3)]
+            assert sorted(code for code, _ in first) == [200, 503, 503]
+            refused = next(body for code, body in first if code == 503)
+            assert "2 requests are queued (--max-queue 2)" in json.loads(refused)["error"]["message"]
             health = httpx.get(base + "/health").json()
             assert (health["slots_busy"], health["queued"]) == (1, 2)
-            for r in replies:
-                if r.status_code == 200 and health["queued"]:
-                    r.close()  # hang up, running or queued
-            deadline = time.time() + 30
-            while (h := httpx.get(base + "/health").json())["queued"] or h["slots_busy"]:
-                assert time.time() < deadline, f"the count did not come back to zero: {h}"
-                time.sleep(0.1)
+            hang_up.set()  # each stream that gets its slot now hangs up at once
+            rest = [got.get(timeout=60) for _ in range(2)]
+            assert [code for code, _ in rest] == [200, 200]
+            for f in futures:
+                f.result(timeout=60)
+        deadline = time.time() + 30
+        while (h := httpx.get(base + "/health").json())["queued"] or h["slots_busy"]:
+            assert time.time() < deadline, f"the count did not come back to zero: {h}"
+            time.sleep(0.1)
         ok = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
         assert ok.status_code == 200
 
