@@ -104,6 +104,9 @@ def test_a_json_schema_gives_json_that_validates(smollm2):
 def test_grammar_errors_are_one_clear_message(tiny_engine):
     with pytest.raises(InvalidParameterError, match="does not parse"):
         tiny_engine.generate("x", grammar="root ::= [a-", chat_template=False)
+    # the parser's own words, which llama.cpp prints to stderr only, are in the message
+    with pytest.raises(InvalidParameterError, match="does not parse as GBNF: Undefined rule identifier 'word'"):
+        tiny_engine.generate("x", grammar="root ::= word", chat_template=False)
     with pytest.raises(InvalidParameterError, match="json_schema"):
         tiny_engine.generate("x", response_format={"type": "xml"}, chat_template=False)
     with pytest.raises(InvalidParameterError, match="not both"):

@@ -325,6 +325,12 @@ def test_a_burst_fills_the_slots_and_exactly_max_queue_more(smollm2):
         assert ok.status_code == 200
 
 
+def test_a_grammar_that_does_not_parse_says_why_in_the_400(client):
+    with pytest.raises(openai.BadRequestError, match="Undefined rule identifier 'word'"):
+        client.completions.create(model=model_id(client), prompt="x", max_tokens=2,
+                                  extra_body={"grammar": "root ::= word"})
+
+
 def test_a_lone_surrogate_is_an_openai_400(server):
     body = b'{"messages": [{"role": "user", "content": "bad \\ud800 text"}]}'
     r = httpx.post(server + "/v1/chat/completions", content=body, headers={"content-type": "application/json"},

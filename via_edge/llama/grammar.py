@@ -7,8 +7,15 @@ checks first and raises instead.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
+import os
+import re
+import sys
+import tempfile
+import threading
+from typing import Iterator
 
 import numpy as np
 
@@ -28,6 +35,31 @@ class _Collect(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+class _Printed:
+    text = ""
+
+
+_stderr_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _stderr_captured() -> Iterator[_Printed]:
+    """What C code prints to file descriptor 2 meanwhile (llama.cpp's grammar parser reports its
+    errors with fprintf(stderr), where a server's client would never see them)."""
+    out = _Printed()
+    with _stderr_lock, tempfile.TemporaryFile() as tmp:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield out
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            out.text = tmp.read().decode("utf-8", errors="replace")
+
+
 class GrammarState:
     """One position of a GBNF grammar over a model's vocabulary (free with `close`, or let it go)."""
 
@@ -39,15 +71,18 @@ class GrammarState:
         backend_init()
         collect, level = _Collect(), log.level
         log.addHandler(collect)
-        log.setLevel(logging.DEBUG)  # llama.cpp says where a grammar fails to parse, in its log
+        log.setLevel(logging.DEBUG)  # llama.cpp logs some grammar errors...
         try:
-            self._ptr = lib().llama_sampler_init_grammar(vocab, gbnf.encode("utf-8"), root.encode("utf-8"))
+            with _stderr_captured() as printed:  # ...and prints the parser's own message to stderr
+                self._ptr = lib().llama_sampler_init_grammar(vocab, gbnf.encode("utf-8"), root.encode("utf-8"))
         finally:
             log.removeHandler(collect)
             log.setLevel(level)
         if not self._ptr:
-            where = next((line for line in collect.lines if "parse" in line.lower() or "error" in line.lower()), "")
-            raise InvalidParameterError("the grammar does not parse as GBNF" + (f": {where.strip()}" if where else ""))
+            found = re.search(r"error parsing grammar: (.*)", printed.text)
+            where = found.group(1).strip() if found else next(
+                (line.strip() for line in collect.lines if "parse" in line.lower() or "error" in line.lower()), "")
+            raise InvalidParameterError("the grammar does not parse as GBNF" + (f": {where}" if where else ""))
 
     def clone(self) -> "GrammarState":
         return GrammarState(self._model, self._vocab, _ptr=lib().llama_sampler_clone(self._ptr))
