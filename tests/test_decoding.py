@@ -297,3 +297,27 @@ def test_p_min_and_n_min_bound_the_draft(tiny_target):
             rounds_with_room = sd.stats.rounds - 1  # the last round may be cut by the budget
             assert sd.stats.draft_n >= expected * rounds_with_room
             assert sd.stats.draft_n <= expected * sd.stats.rounds
+
+
+def test_a_seeded_copy_answer_is_ars_whatever_was_cached_or_copied(engines):
+    """Sampling with a seed: `lookup` verifies a copied token by drawing as `ar` would (one draw
+    per committed token), so its answer is `ar`'s for the same seed, whether the slot held
+    another request's prompt and copies before or nothing."""
+    engine = engines[0]
+    engine.prepare("lookup")
+    engine.models.batch_cost = lambda n: 1.0  # the policy drafts whenever it sees a copy
+    base = engine.tokens_for("the cat is here", False)
+    said = engine.generate(base, mode="ar", max_tokens=16).tokens
+    prompt = base + said + base + said[:2]  # the answer tends to copy what came before
+    drafted = 0
+    for seed in range(6):
+        sp = dict(temperature=1.0, seed=seed, max_tokens=20)
+        engine.reset()
+        ar = engine.generate(prompt, mode="ar", **sp).tokens
+        engine.reset()
+        cold = engine.generate(prompt, mode="lookup", **sp)
+        engine.generate(prompt[: len(prompt) // 2], mode="lookup", max_tokens=6)  # leaves a cached prefix
+        warm = engine.generate(prompt, mode="lookup", **sp)
+        assert cold.tokens == ar == warm.tokens, seed
+        drafted += cold.stats.draft_n
+    assert drafted > 0

@@ -139,7 +139,9 @@ class Decoder:
         rows[i] is the verifier's prediction for the position of tokens[i]; rows[len] is the bonus
         row. Greedy: longest prefix equal to the argmax. Sampling: accept with min(1, p/q), else
         draw from the normalised residual max(0, p - q). A q of None is a point mass on the
-        token (a copy): accept with probability p, else draw from p without the token.
+        token (a copy): draw from p as `ar` would and keep the token if the draw is it (kept
+        with probability p, else a draw from p without it, as the rule asks), so each committed
+        token takes one draw and a seeded answer is `ar`'s whatever was copied or cached.
         """
         for i, tok in enumerate(tokens):
             if sp.greedy:
@@ -149,9 +151,14 @@ class Decoder:
                 continue
             p = rows.dist(i, sp)
             q = qs[i]
-            if rng.random() * (1.0 if q is None else q.prob(tok)) < p.prob(tok):
+            if q is None:
+                drawn = p.sample(rng)
+                if drawn == tok:
+                    continue
+                return i, drawn
+            if rng.random() * q.prob(tok) < p.prob(tok):
                 continue
-            return i, p.residual(q, tok).sample(rng)
+            return i, p.residual(q).sample(rng)
         n = len(tokens)
         return n, rows.argmax(n) if sp.greedy else rows.dist(n, sp).sample(rng)
 

@@ -81,15 +81,11 @@ class Dist:
         j = int(min(np.searchsorted(cum, rng.random() * cum[-1], side="right"), self.p.size - 1))
         return j if self.ids is None else int(self.ids[j])
 
-    def residual(self, q: "Dist | None", token: int) -> "Dist":
-        """The sd rule's fallback after rejecting `token`: max(0, p - q) renormalised, where a q of
-        None is a point mass on `token`; p itself when nothing is left."""
+    def residual(self, q: "Dist") -> "Dist":
+        """The sd rule's fallback after rejecting a draft drawn from q: max(0, p - q)
+        renormalised; p itself when nothing is left. (A copy's point mass needs none: loop._verify.)"""
         r = np.array(self.p, dtype=np.float64)
-        if q is None:
-            at = token if self.ids is None else int(np.searchsorted(self.ids, token))
-            if at < r.size and (self.ids is None or self.ids[at] == token):
-                r[at] = 0.0
-        elif self.ids is None:
+        if self.ids is None:
             if q.ids is None:
                 r -= q.p
             else:
