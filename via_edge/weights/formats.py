@@ -26,7 +26,7 @@ from ..errors import InvalidParameterError, ModelFileError, ViaEdgeError
 from ..files import writable_dir
 from ..llama import quantize
 from .catalog import ByteProgress, sha256_cached
-from .gguf_info import field_value, open_reader, write_atomically
+from .gguf_info import field_value, open_reader, read_info, scan_header, write_atomically
 from .slim import derived_dir
 
 SHIPPED = "shipped"
@@ -88,12 +88,11 @@ def variant_path(source: Path, name: str, sha: str) -> Path:
 def variant_source(path: Path) -> tuple[str, str] | None:
     """(recipe, SHA-256 of the source) for a variant we derived, else None."""
     try:
-        reader = open_reader(path)
+        fields, _ = scan_header(path)  # the header only: this runs on every start with a derived format
     except ModelFileError:
         return None
-    name, sha = field_value(reader, "via_edge.format.recipe"), field_value(reader, "via_edge.format.source_sha256")
-    version = field_value(reader, "via_edge.format.version")
-    return (name, sha) if name and sha and version == FORMAT_VERSION else None
+    name, sha = fields.get("via_edge.format.recipe"), fields.get("via_edge.format.source_sha256")
+    return (name, sha) if name and sha and fields.get("via_edge.format.version") == FORMAT_VERSION else None
 
 
 def estimate_size(source: Path, r: Recipe) -> int:
@@ -125,7 +124,7 @@ def derive(source: str | os.PathLike, name: str, *, quiet: bool = False, threads
         return Path(source)
     r = recipe(name)
     source = Path(source)
-    open_reader(source)  # missing, foreign or truncated: one clear message before anything else
+    read_info(source)  # missing, foreign or truncated: one clear message before anything else
     sha = sha256_cached(source)
     dest = variant_path(source, name, sha)
     if dest.exists() and variant_source(dest) == (name, sha):
@@ -213,7 +212,7 @@ def format_name(path: Path) -> str:
     src = variant_source(path)
     if src:
         return src[0]
-    ftype = field_value(open_reader(path), "general.file_type")
+    ftype = scan_header(path)[0].get("general.file_type")
     try:
         return LlamaFileType(int(ftype)).name.removeprefix("MOSTLY_").removeprefix("ALL_")
     except (TypeError, ValueError):
