@@ -129,26 +129,24 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
         # "<mode>@<format>" and "<peer>@<format>" run on another weight format of the same target
         for fmt in dict.fromkeys(m.partition("@")[2] for m in cfg.modes + cfg.peers if "@" in m):
             engines["@" + fmt] = Engine.from_pair(cfg.pair, tuned=False, spec=cfg.spec, format=fmt, **common)
+
+        def engine_of(method: str) -> Engine:
+            """The engine a method runs on (a peer: the one whose file it reads)."""
+            if "@" in method:
+                return engines["@" + method.partition("@")[2].partition(":")[0]]
+            return tuned if method.partition(":")[2] == "tuned" else engine  # json: constrained answers
+
         for mode in cfg.modes:
-            base, _, fmt = mode.partition("@")
-            for key, e in engines.items():
-                if e is not None and (key == "@" + fmt or (not fmt and not key.startswith("@"))):
-                    e.prepare(base)
-        peers = [make_peer(name, engines[f"@{name.partition('@')[2]}" if "@" in name else ""].target_path,
-                           cfg.n_ctx, threads, cfg.peer_python, engine.target.eos) for name in cfg.peers]
+            engine_of(mode).prepare(mode.partition("@")[0])
+            if tuned is not None and "@" not in mode:
+                tuned.prepare(mode)
+        peers = [make_peer(name, engine_of(name).target_path, cfg.n_ctx, threads, cfg.peer_python, engine.target.eos)
+                 for name in cfg.peers]
         # ar:tuned differs from ar only when the tuned choice runs another weight format
         other_format = tuned is not None and tuned.target_path != engine.target_path
         plain = [m for m in cfg.modes if "@" not in m]
         methods = (list(cfg.modes) + [f"{m}:tuned" for m in plain if tuned and (m != "ar" or other_format)]
                    + [f"{m}:json" for m in plain if cfg.response_format] + [p.name for p in peers])
-
-        def engine_of(method: str) -> Engine:
-            """The engine a method runs on (a peer: the one whose file it reads)."""
-            variant = method.partition(":")[2]
-            if "@" in method:
-                return engines["@" + method.partition("@")[2].partition(":")[0]]
-            return tuned if variant == "tuned" else engine  # json: the default engine, answers constrained
-
         formats = {m: engine_of(m).weight_format for m in methods}
         by_name = {p.name: p for p in peers}
 

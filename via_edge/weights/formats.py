@@ -88,7 +88,7 @@ def variant_path(source: Path, name: str, sha: str) -> Path:
 def variant_source(path: Path) -> tuple[str, str] | None:
     """(recipe, SHA-256 of the source) for a variant we derived, else None."""
     try:
-        fields, _ = scan_header(path)  # the header only: this runs on every start with a derived format
+        fields, _ = scan_header(path, fresh=True)  # the header only: this runs on every start
     except ModelFileError:
         return None
     name, sha = fields.get("via_edge.format.recipe"), fields.get("via_edge.format.source_sha256")

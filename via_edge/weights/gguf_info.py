@@ -112,10 +112,13 @@ def read_info(path: str | os.PathLike) -> GGUFInfo:
     )
 
 
-def scan_header(path: str | os.PathLike) -> tuple[dict, frozenset[str]]:
+def scan_header(path: str | os.PathLike, fresh: bool = False) -> tuple[dict, frozenset[str]]:
     """A checked file's metadata (scalars and strings as values, arrays as lists, or as their
-    length when longer than _SMALL_ARRAY) and its tensor names."""
-    return _scan_header(*_file_key(path))
+    length when longer than _SMALL_ARRAY) and its tensor names. Cached by size and mtime, which
+    a file rewritten within the clock's tick keeps: `fresh` reads it again (files via-edge
+    itself writes and checks)."""
+    key = _file_key(path)
+    return _scan_header.__wrapped__(*key) if fresh else _scan_header(*key)
 
 
 @lru_cache(maxsize=8)
