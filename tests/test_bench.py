@@ -102,7 +102,7 @@ def test_load_requests_take_the_categories_in_turn_and_every_prompt_before_repea
     (["--categories", "nope"], "unknown or empty categories"),
     (["--suite", "/no/such.jsonl"], "cannot read prompt file"),
     (["--pair", "nope"], "unknown pair"),
-    (["--modes", "ar,ar@q3"], "ar@q3: unknown weight format 'q3'"),
+    (["--modes", "ar,ar@q3"], "the format of ar@q3 must be auto, shipped or one of"),
     (["--format", "q3"], "--format must be auto, shipped or one of"),
 ])
 def test_bench_bad_input(tmp_path, args, match):

@@ -22,8 +22,7 @@ from ..machine import machine, versions
 from ..progress import StatusLine
 from ..tune.store import load_choice
 from ..weights import catalog
-from ..weights.autoformat import AUTO, requested
-from ..weights.formats import FORMAT_NAMES
+from ..weights.autoformat import AUTO, check_name, requested
 from ..weights.slim import target_sha256
 from .peers import DEFAULT_PEERS, PEERS, make_peer
 from .report import summarize
@@ -64,10 +63,8 @@ class BenchConfig:
         if self.peer_python and not Path(self.peer_python).exists():
             raise InvalidParameterError(f"--peer-python {self.peer_python} does not exist")
         for m in self.modes + self.peers:
-            fmt = m.partition("@")[2]
-            if "@" in m and fmt != AUTO and fmt not in FORMAT_NAMES:
-                raise InvalidParameterError(f"{m}: unknown weight format '{fmt}'; choose from auto, "
-                                            f"{', '.join(FORMAT_NAMES)}")
+            if "@" in m:
+                check_name(m.partition("@")[2], f"the format of {m}")
         if self.format is not None:
             requested(self.format, explicit_path=False)
         bad = [m for m in self.modes if m.partition("@")[0] not in MODE_NAMES]

@@ -82,11 +82,15 @@ def requested(given: str | None, explicit_path: bool) -> str:
     """The format asked for: `given`, else VIA_EDGE_FORMAT, else `auto` for a catalog model and
     `shipped` for a GGUF path (a file the user named is used as given unless auto is asked for)."""
     name = given or os.environ.get(ENV) or (formats.SHIPPED if explicit_path else AUTO)
-    if name != AUTO and name not in formats.FORMAT_NAMES:
-        source = "--format" if given else ENV
-        raise InvalidParameterError(f"{source} must be auto, shipped or one of {', '.join(formats.RECIPES)}; "
-                                    f"got '{name}'")
+    check_name(name, "--format" if given else ENV)
     return name
+
+
+def check_name(name: str, where: str) -> None:
+    """`name` is auto, shipped or a recipe; else one message naming `where` it came from."""
+    if name != AUTO and name not in formats.FORMAT_NAMES:
+        raise InvalidParameterError(f"{where} must be auto, shipped or one of {', '.join(formats.RECIPES)}; "
+                                    f"got '{name}'")
 
 
 def candidates() -> tuple[str, ...]:
@@ -110,25 +114,22 @@ def choice_path(sha: str) -> Path:
     return model_dir() / "formats" / f"{sha[:16]}--{machine_key()}.json"
 
 
-def stored(sha: str) -> FormatChoice | None:
-    path = choice_path(sha)
-    if not path.exists():
-        return None
+def _read(path: Path) -> FormatChoice | None:
+    """A stored choice, or None when missing or unreadable (then measured again and overwritten)."""
     try:
-        return FormatChoice.from_dict(read_json(path))
+        return FormatChoice.from_dict(read_json(path)) if path.exists() else None
     except (ViaEdgeError, TypeError):
-        return None  # unreadable: measured again and overwritten
+        return None
+
+
+def stored(sha: str) -> FormatChoice | None:
+    return _read(choice_path(sha))
 
 
 def all_stored() -> list[FormatChoice]:
     """Every stored choice for this machine and build (`via-edge info`, `models list`)."""
-    out = []
-    for path in sorted((model_dir() / "formats").glob(f"*--{machine_key()}.json")):
-        try:
-            out.append(FormatChoice.from_dict(read_json(path)))
-        except (ViaEdgeError, TypeError):
-            continue
-    return out
+    found = (_read(p) for p in sorted((model_dir() / "formats").glob(f"*--{machine_key()}.json")))
+    return [c for c in found if c is not None]
 
 
 def resolve(source: Path, name: str, load: LoadParams, *, quiet: bool = False,
@@ -196,8 +197,8 @@ def choose(source: Path, sha: str, load: LoadParams, *, names: Sequence[str] | N
     say(f"First use of {source.name} on this machine ({cpu_name()}, {build()['flavor']} build): {kernel_note()}, "
         f"so via-edge checks once whether {' or '.join(names)} answers like the shipped file and decodes faster. "
         f"It derives {' and '.join(f'{n} (~{sizes[n] / 1e9:.1f} GB)' for n in names)} next to the model, "
-        f"times one-token decoding and compares {FORMAT_PROMPTS * FORMAT_TOKENS} answer tokens and a perplexity text with the "
-        "shipped file: a few minutes, once; the choice is then reused. `--format shipped` (or "
+        f"times one-token decoding and compares {FORMAT_PROMPTS * FORMAT_TOKENS} answer tokens and a perplexity "
+        "text with the shipped file: a few minutes, once; the choice is then reused. `--format shipped` (or "
         f"{ENV}=shipped) skips it.")
     t0 = time.monotonic()
     with LlamaModel(source, load) as m:
