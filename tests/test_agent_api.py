@@ -150,6 +150,35 @@ def test_langchain_structured_output_and_tools(server):
     assert isinstance(msg.tool_calls[0]["args"], dict)
 
 
+CODE = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+        "def mul(a, b):\n    return a * b\n")
+
+
+def test_predicted_outputs_through_the_sdk_leave_the_answer_as_it_was(smollm2):
+    """OpenAI's `prediction=` as editors send it (the file the answer rewrites), streamed and not:
+    the same answer, drafted from the prediction (timings), and usage counting the prediction's
+    tokens found in the answer and those not. Exact kernels and drafts of at most 6 tokens, so
+    verification computes what single decodes do and the answers compare token for token."""
+    with serving(["--target", smollm2, "--mode", "ar", "--exact", "--kv-type", "f32", "--no-flash-attn",
+                  "--copy-max", "6", "--ctx", "2048"]) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+        kw = dict(messages=[{"role": "user", "content": "Repeat this code exactly:\n\n" + CODE}], max_tokens=80)
+        plain = chat(client, **kw)
+        text = plain.choices[0].message.content
+        pred = {"type": "content", "content": text}
+        res = chat(client, **kw, prediction=pred)
+        assert res.choices[0].message.content == text
+        details, timings = res.usage.completion_tokens_details, res.model_extra["timings"]
+        assert timings["prediction_draft_n_accepted"] > 20
+        assert details.accepted_prediction_tokens >= plain.usage.completion_tokens - 2
+        assert details.rejected_prediction_tokens <= 2
+        parts = {"type": "content", "content": [{"type": "text", "text": text[:20]}, {"type": "text", "text": text[20:]}]}
+        chunks = list(chat(client, **kw, prediction=parts, stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+        assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens == \
+            details.accepted_prediction_tokens
+
+
 @pytest.mark.parametrize("path,extra,field", [
     ("chat/completions", {"n": 2}, "n"),
     ("completions", {"best_of": 3}, "best_of"),
@@ -168,7 +197,10 @@ def test_langchain_structured_output_and_tools(server):
     ("chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"logprobs": True, "mode": "via"}, "logprobs"),
     ("chat/completions", {"grammar": "root ::= [a-"}, "grammar"),
-    ("chat/completions", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ("chat/completions", {"prediction": {"type": "file", "content": "x"}}, "prediction.type"),
+    ("chat/completions", {"prediction": {"type": "content", "content": [{"type": "image_url"}]}}, "prediction.content"),
+    ("completions", {"prediction": "x"}, "prediction"),
+    ("completions", {"prediction": {"type": "content", "content": "x = 1\n" * 1200}}, "prediction"),  # > 2048 per slot
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_what_is_not_done_is_a_400_naming_the_field(server, path, extra, field, stream):

@@ -125,6 +125,18 @@ def test_chat_streaming_equals_non_streaming(client, tiny_target):
     assert streamed == full.choices[0].message.content
 
 
+def test_a_prediction_leaves_a_completion_as_it_was(client):
+    """A prediction that shares nothing with the answer (a `ar` request: copy drafting on for it)
+    changes no token, and usage counts all its tokens as rejected."""
+    done = client.completions.create(model=model_id(client), prompt="the cat", max_tokens=20, temperature=0)
+    assert done.usage.completion_tokens_details is None  # no prediction: llama-cpp-python's usage
+    again = client.completions.create(model=model_id(client), prompt="the cat", max_tokens=20, temperature=0,
+                                      extra_body={"mode": "ar", "prediction": {"type": "content", "content": "zzz"}})
+    assert again.choices[0].text == done.choices[0].text
+    details = again.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens == 0 and details.rejected_prediction_tokens > 0
+
+
 def test_completions_and_modes(client):
     ar = client.completions.create(model=model_id(client), prompt="the cat", max_tokens=20, temperature=0,
                                    extra_body={"mode": "ar"})

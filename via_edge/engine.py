@@ -20,10 +20,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from .decode.constraints import Constraint, LogitRules, grammar_text
+from .decode.drafters import CopySource
 from .decode.loop import Decoder
+from .decode.memory import DEFAULT_TOKENS, CopyMemory
+from .prediction import prediction_source, settle
 from .decode.modes import DEFAULT_MODE, TARGET, check_logprobs, mode_info
 from .decode.sampling import SamplingParams
-from .decode.scores import ScoredModel, TokenLogprobs
+from .decode.scores import TokenLogprobs
 from .decode.spec import SpecParams
 from .decode.stats import Stats
 from .decode.text import StopMatcher, StreamDecoder
@@ -38,7 +41,7 @@ from .slots import Slot, SlotPool
 from .tune.store import TunedConfig
 from .weights import formats
 from .weights.gguf_info import read_info
-from .weights.slim import parse_layers, slice_seq_state
+from .weights.slim import parse_layers
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 
@@ -57,6 +60,7 @@ class Request:
     grammar: GrammarState | None = None
     rules: LogitRules | None = None
     top_logprobs: int | None = None
+    prediction: CopySource | None = None  # OpenAI's Predicted Outputs: a copy source, never shown to the model
 
 
 class Engine:
@@ -84,6 +88,7 @@ class Engine:
         slim_kv: str = "import",
         f32: bool = False,
         format: str | None = None,
+        copy_memory: int = DEFAULT_TOKENS,
         pull_missing: bool = False,
         progress: Callable[[str, float], None] | None = None,
         **load_fields,
@@ -93,8 +98,11 @@ class Engine:
         `rpc=("host:port", ...)` puts a share of the target's layers on those RPC servers
         (`via-edge rpc-serve`), draft and slim stay here. `format` is the weight format: `auto`
         (the default for a catalog name: weights/autoformat.py), `shipped` (the file as it is, the
-        default for a path) or a recipe name (weights/formats.py); VIA_EDGE_FORMAT sets the default."""
+        default for a path) or a recipe name (weights/formats.py); VIA_EDGE_FORMAT sets the default.
+        `copy_memory` is how many tokens of recent answers and predictions copy drafting may read
+        from in later requests (decode/memory.py; 0: off)."""
         mode_info(mode)
+        self.memory = CopyMemory(copy_memory)
         if not 1 <= n_parallel <= MAX_SEQ:
             raise InvalidParameterError(f"n_parallel must be in 1..{MAX_SEQ}, got {n_parallel}")
         if slim_kv not in ("import", "prefill"):
@@ -171,6 +179,7 @@ class Engine:
         for m in self.models.each():
             m.reset()
         self.slots.forget_copies()
+        self.memory.clear()
 
     def __enter__(self) -> "Engine":
         return self
@@ -221,6 +230,7 @@ class Engine:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         repeat_penalty: float = 1.0,
+        prediction: str | Sequence[int] | None = None,
     ) -> Request:
         """A checked generation (InvalidParameterError or ContextOverflowError naming what is
         wrong); nothing is loaded or run.
@@ -230,7 +240,9 @@ class Engine:
         JSON, or JSON matching a schema) constrains every mode's output; `logit_bias` (token id ->
         -100..100) and the penalties change the logits of target and drafts alike (decode/constraints.py).
         `logprobs=n` (0..20) gives the result the target's log-probability of each token and its n
-        likeliest alternatives.
+        likeliest alternatives. `prediction` (text or tokens: what the answer will likely repeat,
+        such as the file an edit rewrites) is drafted from in every mode, never shown to the
+        model: the answer is the one the request gets without it.
         """
         mode = mode or self.mode
         mode_info(mode)
@@ -251,7 +263,8 @@ class Engine:
         except InvalidParameterError as exc:  # it does not parse: name the field it came from
             raise InvalidParameterError(str(exc), "grammar" if grammar is not None else "response_format") from None
         return Request(tuple(tokens), mode, sp, max_tokens, (stop,) if isinstance(stop, str) else tuple(stop),
-                       spec or self.mode_specs.get(mode) or self.spec, compiled, rules, logprobs)
+                       spec or self.mode_specs.get(mode) or self.spec, compiled, rules, logprobs,
+                       prediction_source(self.target, prediction))
 
     def run(self, request: Request, *, should_stop: Callable[[], bool] | None = None,
             arrived: float | None = None) -> Stream:
@@ -263,7 +276,7 @@ class Engine:
         returns True the result ends as "cancelled".
         """
         arrived = time.perf_counter() if arrived is None else arrived
-        self.prepare(request.mode)
+        self.prepare(self._run_mode(request))
         # a list, as the caches hold theirs: common_prefix compares list slices at C speed, and a
         # tuple against a list is never equal, which would walk every token in Python
         prompt = list(request.prompt)
@@ -303,6 +316,11 @@ class Engine:
         return res
 
     # ---- one generation -------------------------------------------------------------------------
+    @staticmethod
+    def _run_mode(req: Request) -> str:
+        """The mode the loop runs: a prediction turns on copy drafting in `ar`."""
+        return "lookup" if req.prediction is not None and mode_info(req.mode).drafter is None else req.mode
+
     def _generate(self, box: list[Result], slot: Slot, req: Request, prompt: list[int],
                   should_stop: Callable[[], bool] | None, arrived: float) -> Iterator[Piece]:
         """Tokens to text on `slot`: stop strings, UTF-8 held back until whole, the finish reason.
@@ -321,15 +339,19 @@ class Engine:
         t0 = t1 = time.perf_counter()
         try:
             stats.cache_tokens = common_prefix(target.tokens, prompt[:-1])
-            self._prefill(slot, prompt[:-1], used)
+            self.slots.prefill(slot, prompt[:-1], used, import_slim=self._slim_kv == "import")
             t1 = time.perf_counter()
             stats.prefill_seconds = t1 - t0
             grammar = req.grammar.clone() if req.grammar is not None else None
-            decoder = Decoder(target, self.slots.drafter(slot, req.mode), self.slots.scorer(slot, "slim"), req.spec,
-                              Constraint(grammar, req.rules) if grammar or req.rules else None, req.top_logprobs)
+            pred = req.prediction
+            sources = ([pred] if pred is not None else []) + self.memory.sources()
+            decoder = Decoder(target, self.slots.drafter(slot, req.mode, copy=pred is not None),
+                              self.slots.scorer(slot, "slim"), req.spec,
+                              Constraint(grammar, req.rules) if grammar or req.rules else None, req.top_logprobs,
+                              sources)
             text_out, stops = StreamDecoder(), StopMatcher(req.stop)
             hit = False
-            gen = decoder.generate(prompt, req.mode, req.sampling, req.max_tokens, stats)
+            gen = decoder.generate(prompt, self._run_mode(req), req.sampling, req.max_tokens, stats)
             try:
                 for c in gen:
                     out.append(c.token)
@@ -367,21 +389,5 @@ class Engine:
             stats.generate_seconds = time.perf_counter() - t1
             for role, scored in used:
                 setattr(stats, role, scored.seq.usage.since(before[role]))
+            settle(stats, req.prediction, out[:-1] if eog else out, self.memory)
             box.append(Result("".join(pieces), out, origins, tiers, finish, stats, req.mode, len(prompt), eog, lps))
-
-    def _prefill(self, slot: Slot, tokens: list[int], used: list[tuple[str, ScoredModel]]) -> None:
-        """Fill every model's KV with the prompt (all but its last token, which each round decodes).
-
-        A prefix slim imports the target's KV instead of recomputing it (see docs/design.md).
-        """
-        m = self.models
-        for role, scored in used:
-            seq = scored.model.seqs[slot.index]
-            if not tokens:
-                seq.reset()
-            elif role == "slim" and m.slim_prefix and self._slim_kv == "import":
-                if seq.tokens[:len(tokens)] != tokens:
-                    source = m.target.seqs[slot.index]
-                    seq.set_state(slice_seq_state(source.state(), m.slim_prefix), source.tokens)
-            else:
-                scored.seq.prefill(tokens)

@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence, TypeVar
 
 from .batching import BatchedSeq, Scheduler
-from .decode.drafters import CopyDrafter, CopyPolicy, Drafter, ModelDrafter
+from .decode.drafters import CopyDrafter, CopyFirst, CopyPolicy, Drafter, ModelDrafter
 from .decode.modes import mode_info
 from .decode.scores import ScoredModel
 from .llama import common_prefix
 from .loading import Models
+from .weights.slim import slice_seq_state
 
 T = TypeVar("T")
 
@@ -112,12 +113,33 @@ class SlotPool:
             slot.scored[role] = ScoredModel(model, seq if self.scheduler is None else BatchedSeq(seq, self.scheduler))
         return slot.scored[role]
 
-    def drafter(self, slot: Slot, mode: str) -> Drafter | None:
+    def drafter(self, slot: Slot, mode: str, copy: bool = False) -> Drafter | None:
+        """The slot's drafter for `mode`; with `copy` (a request that brings a prediction), copy
+        drafting as well in a mode that has none: alone for `ar`, in front of a draft model."""
         kind = mode_info(mode).drafter
-        if kind is not None and kind not in slot.drafters:
-            slot.drafters[kind] = (CopyDrafter(CopyPolicy(self.models.batch_cost), others=self._others)
-                                   if kind == "lookup" else ModelDrafter(self.scorer(slot, "draft")))
-        return slot.drafters.get(kind) if kind else None
+        for need in {kind, "lookup" if copy else None} - {None}:
+            if need not in slot.drafters:
+                slot.drafters[need] = (CopyDrafter(CopyPolicy(self.models.batch_cost), others=self._others)
+                                       if need == "lookup" else ModelDrafter(self.scorer(slot, "draft")))
+        if kind == "model" and copy:
+            return CopyFirst(slot.drafters["lookup"], slot.drafters["model"])
+        return slot.drafters.get(kind or ("lookup" if copy else ""))
+
+    def prefill(self, slot: Slot, tokens: list[int], used: list[tuple[str, ScoredModel]], import_slim: bool) -> None:
+        """Fill every used model's KV on `slot` with the prompt (all but its last token, which
+        each round decodes). A prefix slim imports the target's KV instead of recomputing it
+        when `import_slim` (see docs/design.md)."""
+        m = self.models
+        for role, scored in used:
+            seq = scored.model.seqs[slot.index]
+            if not tokens:
+                seq.reset()
+            elif role == "slim" and m.slim_prefix and import_slim:
+                if seq.tokens[:len(tokens)] != tokens:
+                    source = m.target.seqs[slot.index]
+                    seq.set_state(slice_seq_state(source.state(), m.slim_prefix), source.tokens)
+            else:
+                scored.seq.prefill(tokens)
 
     def _others(self) -> int:
         """Tokens the other slots add to the target's next decode (none without slots)."""

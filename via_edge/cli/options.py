@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, get_type_hints
 
 import typer
 
+from ..decode.memory import DEFAULT_TOKENS
 from ..decode.modes import DEFAULT_MODE, MODE_NAMES
 from ..decode.sampling import SamplingParams
 from ..decode.spec import SpecParams
@@ -106,6 +107,8 @@ RUN_OPTS = (
         "the target's layers; draft and slim stay here."),
     Opt("tensor_split", Optional[str], None, "With --rpc: the layer shares of this machine, then of each server "
         "(e.g. 1,2,2; default: by free memory)."),
+    Opt("copy_memory", int, DEFAULT_TOKENS, "Tokens of recent answers and predictions that copy drafting reads "
+        "in later requests (0: off).", lo=0, hi=1 << 24),
     Opt("verbose", bool, False, "Show llama.cpp's log.", ("--verbose", "-v")),
 )
 SAMPLING_OPTS = (
@@ -154,6 +157,7 @@ class Options:
                           flash_attn=v["flash_attn"], kv_type=v["kv_type"], **(EXACT if v["exact"] else {}),
                           **remote(v["rpc"], v["tensor_split"]))
         kw: dict[str, Any] = dict(load=load, n_parallel=n_parallel, pull_missing=True, format=v["format"],
+                                  copy_memory=v["copy_memory"],
                                   progress=load_progress if progress else None)
         for key, value in (("draft_layers", v["draft_layers"]), ("slim_layers", v["slim_layers"]), ("mode", mode)):
             if value:

@@ -35,6 +35,8 @@ def generate(
     prompt: Optional[str] = typer.Argument(None, help="The prompt (a user message unless --raw); - reads it "
                                            "from standard input.", show_default=False),
     prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from this file (long prompts)."),
+    prediction_file: Optional[Path] = typer.Option(None, help="Text the answer will likely repeat (the file an "
+                                                   "edit rewrites): drafted from, never shown to the model."),
     mode: Optional[str] = mode_opt(DEFAULT_MODE),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Maximum new tokens."),
     stop: List[str] = typer.Option([], help="Stop string (repeatable)."),
@@ -46,11 +48,12 @@ def generate(
     from ..openai_api.responses import timings
 
     text = _read_prompt(prompt, prompt_file)
+    prediction = _read_file(prediction_file, "--prediction-file") if prediction_file is not None else None
     with opts.engine(mode) as engine:
         doing("generation", "nothing was printed or written" if as_json else
               "the answer so far is above; nothing was written to disk")
         stream = engine.stream(text, max_tokens=max_tokens, stop=stop, mode=engine.mode, chat_template=not raw,
-                               **opts.sampling())
+                               prediction=prediction, **opts.sampling())
         for piece in stream:
             if not as_json:
                 sys.stdout.write(piece.text)
@@ -70,19 +73,26 @@ def generate(
                  f"(prompt {s.prompt_tokens} tokens, {s.prompt_tokens_per_second:.0f} tok/s)"
                  + (f", accepted {s.draft_n_accepted}/{s.draft_n} drafted, {s.mean_accepted_per_round:.1f} per "
                     f"round, drafts of {s.mean_draft_length:.1f}" if s.draft_n else "")
-                 + (f", {s.copied_tokens} copied from the context, {s.generated_tokens - s.copied_tokens} "
-                    f"generated" if res.mode == "lookup" else "")
+                 + (f", {s.copied_tokens} copied, {s.generated_tokens - s.copied_tokens} generated"
+                    if res.mode == "lookup" or prediction else "")
+                 + (f", prediction: {s.prediction_draft_n_accepted}/{s.prediction_draft_n} drafted tokens kept, "
+                    f"{s.prediction_accepted} of its {s.prediction_accepted + s.prediction_rejected} tokens "
+                    "in the answer" if prediction else "")
                  + (f", tiers A/B/C {s.tier_a}/{s.tier_b}/{s.tier_c}" if res.mode == "via" else ""))
+
+
+def _read_file(path: Path, option: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ViaEdgeError(f"cannot read {option} {path}: {exc}") from exc
 
 
 def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     if prompt is not None and prompt_file is not None:
         raise ViaEdgeError("give the prompt as an argument or with --prompt-file, not both")
     if prompt_file is not None:
-        try:
-            text = prompt_file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ViaEdgeError(f"cannot read --prompt-file {prompt_file}: {exc}") from exc
+        text = _read_file(prompt_file, "--prompt-file")
     elif prompt == "-":
         text = sys.stdin.read()
     elif prompt is None:

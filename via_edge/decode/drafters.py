@@ -5,8 +5,10 @@ One small interface, llama.cpp's `common/speculative.cpp` shape: `begin(prompt)`
 `accept(n)`: how many of the proposed tokens the committed context kept. `Draft.conf[i]` is the
 drafter's own (untempered) probability of token i, the `draft` routing score; `Draft.q[i]` is the
 distribution token i was sampled from, kept only when sampling because the lossless acceptance
-rule needs it (None: a point mass on the token, as a copy is). `origin` says who the committed
-draft tokens came from: a draft model, or a copy of the context.
+rule needs it (None: a point mass on the token, as a copy is). `Draft.origin` says who the draft
+tokens came from (a draft model, or a copy) and `Draft.source` what a copy copies: the context,
+the request's prediction (OpenAI's Predicted Outputs) or the engine's copy memory. `begin` takes
+those extra copy sources; only copy drafting reads them.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class Draft:
     tokens: list[int] = field(default_factory=list)
     conf: list[float] = field(default_factory=list)  # per token, when asked for (`draft` routing)
     q: list[Dist | None] | None = None  # per token, when sampling (None: point mass)
+    origin: Origin = DRAFT
+    source: str = ""  # a copy's source: "context", "prediction" or "memory"
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -42,9 +46,7 @@ class Drafter(Protocol):
     (a forbidden one would only be rejected). Within one generation (after `begin`) each context
     extends the previous one: the loop only appends what it commits."""
 
-    origin: Origin
-
-    def begin(self, prompt: Sequence[int]) -> None: ...
+    def begin(self, prompt: Sequence[int], sources: Sequence["CopySource"] = ()) -> None: ...
 
     def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator,
                 spec: SpecParams, *, conf: bool = False, constraint: "Constraint | None" = None) -> Draft: ...
@@ -59,12 +61,10 @@ class ModelDrafter:
     on the draft's confidence): it is a full pass over the vocabulary per token.
     """
 
-    origin = DRAFT
-
     def __init__(self, model: Scorer) -> None:
         self.model = model
 
-    def begin(self, prompt: Sequence[int]) -> None:
+    def begin(self, prompt: Sequence[int], sources: Sequence["CopySource"] = ()) -> None:
         """Nothing to do: its KV cache follows the context by prefix reuse at each call."""
 
     def accept(self, n_accepted: int) -> None:
@@ -133,10 +133,15 @@ class NgramIndex:
         """(n, position after the latest earlier occurrence of the last n tokens) for the largest
         n in n_min..n_max that occurs earlier, or None."""
         toks = self.tokens
-        for n in range(min(n_max, NGRAM_LIMIT, len(toks) - 1), n_min - 1, -1):
-            at = self._after[n].get(tuple(toks[len(toks) - n:]))
+        return self.find([tuple(toks[len(toks) - n:]) for n in range(min(n_max, NGRAM_LIMIT, len(toks) - 1), n_min - 1, -1)])
+
+    def find(self, keys: Sequence[tuple[int, ...]]) -> tuple[int, int] | None:
+        """(n, position after the latest occurrence) of the first of `keys` (n-grams, longest
+        first) that occurs here with a known continuation, or None."""
+        for key in keys:
+            at = self._after[len(key)].get(key)
             if at is not None:
-                return n, at
+                return len(key), at
         return None
 
     def snapshot(self) -> list[dict[tuple[int, ...], int]]:
@@ -213,37 +218,63 @@ class CopyPolicy:
                 c[1] = MEMORY - c[0]
 
 
+class CopySource:
+    """Tokens a copy may come from beside the context: a request's prediction (OpenAI's Predicted
+    Outputs) or an entry of the engine's copy memory. Indexed once, on first use, then read only,
+    so one source serves every slot at once."""
+
+    def __init__(self, kind: str, tokens: Sequence[int]) -> None:
+        self.kind = kind
+        self.tokens = list(tokens)
+        self._index: NgramIndex | None = None
+
+    @property
+    def index(self) -> NgramIndex:
+        if self._index is None:
+            self._index = NgramIndex(self.tokens)
+        return self._index
+
+
 class CopyDrafter:
-    """Drafts what comes next in a copy of earlier context (the prompt, earlier turns, its own
-    output), for answers that rewrite text they were given: edits returned as whole files,
-    refactors, quotes.
+    """Drafts what comes next in a copy of earlier text, for answers that rewrite text they were
+    given: edits returned as whole files, refactors, quotes. The copy comes from the context (the
+    prompt, earlier turns, its own output) or from the sources given to `begin` (a prediction,
+    the copy memory).
 
     It keeps an n-gram index of the context, fed only the tokens appended since its last call
     (a context that does not extend the previous one is indexed anew), and an alignment with the
     copy's source: while the text keeps matching the source, the next draft continues where the
     last left off; after a mismatch it re-anchors on the longest earlier occurrence of the
-    context's suffix. `CopyPolicy` picks the draft length, often 0, so a round without a
-    reliable copy costs what plain decoding costs. Proposals are deterministic: q is a point
-    mass and conf is 1.
+    context's suffix in any source, the first given winning a tie (a prediction over the
+    prompt that also holds the text). `CopyPolicy` picks the draft length, often 0, so a round
+    without a reliable copy costs what plain decoding costs. Proposals are deterministic: q is
+    a point mass and conf is 1.
     """
-
-    origin = COPY
 
     def __init__(self, policy: CopyPolicy, others: Callable[[], int] | None = None) -> None:
         self.policy = policy
         self.others = others  # tokens the other slots put into the target's next decode, if shared
         self.index = NgramIndex()
-        self.src: int | None = None  # the source position the next token is expected to copy
+        self.sources: list[CopySource] = []
+        self.at: tuple[str, list[int]] | None = None  # the copy's source: (kind, its tokens)
+        self.src: int | None = None  # the position in it the next token is expected to copy
         self.run = 0                 # tokens the current alignment has matched
         self._last: tuple[int, list[int]] | None = None  # (run, tokens) of the draft awaiting `accept`
 
-    def begin(self, prompt: Sequence[int]) -> None:
+    def begin(self, prompt: Sequence[int], sources: Sequence[CopySource] = ()) -> None:
         """Keep the index when the prompt extends what it holds (a chat's next turn, a slot's next
         request on the same text), else index the prompt anew."""
         self._last = None
+        self.sources = list(sources)
         if common_prefix(self.index.tokens, prompt) < len(self.index.tokens):
-            self.index, self.src, self.run = NgramIndex(), None, 0
+            self.index = NgramIndex()
+        if self.at is None or self.at[1] is not self.index.tokens:  # a source of another request
+            self.at, self.src, self.run = None, None, 0
         self._extend(prompt)
+        for source in self.sources:  # the answer is expected to start where the prediction does
+            if source.kind == "prediction":
+                self.at, self.src, self.run = (source.kind, source.tokens), 0, 1
+                break
 
     def accept(self, n_accepted: int) -> None:
         if self._last is not None:
@@ -255,27 +286,39 @@ class CopyDrafter:
         """Index what `context` adds to the tokens seen, following the copy's alignment."""
         toks = self.index.tokens
         if len(context) < len(toks) or (toks and context[len(toks) - 1] != toks[-1]):
-            self.begin(context)  # not an extension (a caller outside the loop): start over
+            self.begin(context, self.sources)  # not an extension (a caller outside the loop): start over
             return
         for tok in context[len(toks):]:
             src = self.src
-            if src is not None and toks[src] == tok:
+            if src is not None and src < len(self.at[1]) and self.at[1][src] == tok:
                 self.src, self.run = src + 1, self.run + 1
             else:
-                self.src, self.run = None, 0
+                self.at, self.src, self.run = None, None, 0
             self.index.append(tok)
+
+    def _anchor(self, spec: SpecParams) -> None:
+        """Align with the longest earlier occurrence of the context's end, if longer than the run."""
+        toks = self.index.tokens
+        keys = [tuple(toks[len(toks) - n:]) for n in range(min(spec.ngram_max, len(toks)), spec.ngram_min - 1, -1)]
+        best = self.run
+        for source in self.sources:
+            found = source.index.find(keys)
+            if found is not None and found[0] > best:
+                best, self.at, self.src = found[0], (source.kind, source.tokens), found[1]
+        found = self.index.find(keys)  # the context's own end is not in its index: an earlier occurrence
+        if found is not None and found[0] > best:
+            best, self.at, self.src = found[0], ("context", toks), found[1]
+        self.run = best
 
     def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator,
                 spec: SpecParams, *, conf: bool = False, constraint: "Constraint | None" = None) -> Draft:
-        draft = Draft(q=None if sp.greedy else [])
+        draft = Draft(q=None if sp.greedy else [], origin=COPY)
         self._extend(context)
         if self.run < spec.ngram_max:  # no copy yet, or a short one a longer match may beat
-            found = self.index.longest_match(spec.ngram_max, spec.ngram_min)
-            if found is not None and found[0] > self.run:
-                self.run, self.src = found
+            self._anchor(spec)
         if self.src is None:
             return draft
-        toks = self.index.tokens
+        kind, toks = self.at
         k = self.policy.length(self.run, min(k, spec.copy_max, len(toks) - self.src),
                                self.others() if self.others is not None else 0)
         if constraint is not None:  # the copy up to where the grammar would refuse it
@@ -283,12 +326,39 @@ class CopyDrafter:
         if k == 0:
             return draft
         draft.tokens = toks[self.src:self.src + k]
+        draft.source = kind
         self._last = (self.run, draft.tokens)
         if conf:
             draft.conf = [1.0] * k
         if draft.q is not None:
             draft.q = [None] * k  # point masses (see Decoder._verify)
         return draft
+
+
+class CopyFirst:
+    """A draft model with a copy drafter in front, for modes that draft with a model when the
+    request brings a prediction: the copy where the policy finds one worth drafting, else the
+    model's draft."""
+
+    def __init__(self, copy: CopyDrafter, model: Drafter) -> None:
+        self.copy, self.model = copy, model
+        self._last: Drafter | None = None
+
+    def begin(self, prompt: Sequence[int], sources: Sequence[CopySource] = ()) -> None:
+        self.copy.begin(prompt, sources)
+        self.model.begin(prompt)
+
+    def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator,
+                spec: SpecParams, *, conf: bool = False, constraint: "Constraint | None" = None) -> Draft:
+        draft = self.copy.propose(context, k, sp, rng, spec, conf=conf, constraint=constraint)
+        self._last = self.copy if draft.tokens else self.model
+        return draft if draft.tokens else self.model.propose(context, k, sp, rng, spec, conf=conf,
+                                                             constraint=constraint)
+
+    def accept(self, n_accepted: int) -> None:
+        if self._last is not None:
+            self._last.accept(n_accepted)
+            self._last = None
 
 
 def check_compatible(target: LlamaModel, other: LlamaModel, role: str) -> None:

@@ -25,8 +25,8 @@ import numpy as np
 from ..errors import InvalidParameterError
 from ..llama import common_prefix
 from .constraints import Constraint
-from .drafters import Draft, Drafter
-from .modes import DRAFT, SLIM, TARGET, Origin, Tier, mode_info
+from .drafters import CopySource, Draft, Drafter
+from .modes import COPY, DRAFT, SLIM, TARGET, Origin, Tier, mode_info
 from .sampling import Dist, SamplingParams
 from .scores import Rows, Scorer, TokenLogprobs
 from .spec import SpecParams
@@ -54,14 +54,16 @@ class Decoder:
 
     def __init__(self, target: Scorer, drafter: Drafter | None = None, slim: Scorer | None = None,
                  spec: SpecParams = SpecParams(), constraint: Constraint | None = None,
-                 top_logprobs: int | None = None) -> None:
+                 top_logprobs: int | None = None, sources: Sequence[CopySource] = ()) -> None:
         self.target, self.drafter, self.slim, self.spec = target, drafter, slim, spec
+        self.sources = sources  # copy sources beside the context: a prediction, the copy memory
         self.constraint = constraint  # a grammar every chosen token obeys (constraints.py)
         # with `top_logprobs`, each committed token carries the target's log-probability of it and
         # of its `top_logprobs` likeliest, read from the verifying rows (lossless modes only: see
         # modes.check_logprobs)
         self.top_logprobs = top_logprobs
         self._proposed: list[int] | None = None  # the tokens put up for verification this round
+        self._source = ""  # what the round's first draft copied from, if a copy
 
     def generate(self, prompt: Sequence[int], mode: str, sp: SamplingParams, max_new: int, stats: Stats,
                  resync: Resync | None = None) -> Iterator[Committed]:
@@ -84,26 +86,30 @@ class Decoder:
         if self.constraint is not None:
             self.constraint.start(len(ctx))
         if self.drafter is not None:
-            self.drafter.begin(ctx)
+            self.drafter.begin(ctx, self.sources)
         while produced < max_new and len(ctx) < self.target.n_ctx:
             budget = min(max_new - produced, self.target.n_ctx - len(ctx))
             stats.rounds += 1
-            self._proposed = None
+            self._proposed, self._source = None, ""
             start = len(ctx)
-            for c in rounds(ctx, sp, rng, stats, budget):
-                other = resync(produced, c.token) if resync is not None else None
-                ctx.append(c.token if other is None else other)
-                if self.constraint is not None:
-                    self.constraint.commit(c.token)
-                produced += 1
-                stats.count(c.origin, c.tier)
-                yield c
-                if self.target.is_eog(c.token) or produced >= max_new:
-                    return
-                if other is not None:
-                    break
-            if self._proposed is not None:  # how much of its draft the context kept
-                self.drafter.accept(common_prefix(self._proposed, ctx[start:]))
+            try:
+                for c in rounds(ctx, sp, rng, stats, budget):
+                    other = resync(produced, c.token) if resync is not None else None
+                    ctx.append(c.token if other is None else other)
+                    if self.constraint is not None:
+                        self.constraint.commit(c.token)
+                    produced += 1
+                    stats.count(c.origin, c.tier)
+                    yield c
+                    if self.target.is_eog(c.token) or produced >= max_new:
+                        return
+                    if other is not None:
+                        break
+            finally:  # the round's last token may end the generation, or the caller stop it
+                if self._proposed is not None:  # how much of its draft the context kept
+                    kept = common_prefix(self._proposed, ctx[start:])
+                    self.drafter.accept(kept)
+                    stats.copied_from(self._source, 0, kept)
 
     # ---- shared pieces --------------------------------------------------------------------------
     def _eval(self, model: Scorer, ctx: list[int], tokens: Sequence[int], n_rows: int) -> Rows:
@@ -123,6 +129,8 @@ class Decoder:
         draft = self.drafter.propose(ctx, k, sp, rng, self.spec, conf=conf, constraint=self.constraint)
         if draft.tokens:
             self._proposed = draft.tokens
+            self._source = self._source or draft.source
+            stats.copied_from(draft.source, len(draft), 0)
         stats.draft_n += len(draft)
         stats.draft_rounds += bool(draft.tokens)
         return draft
@@ -174,14 +182,13 @@ class Decoder:
         draft = self._draft(ctx, budget, sp, rng, stats)
         if not draft.tokens:
             return self._ar_round(ctx, sp, rng, stats, budget)
-        return self._target_verifies(ctx, draft.tokens, draft.q, sp, rng)
+        return self._target_verifies(ctx, draft.tokens, draft.q, sp, rng, draft.origin)
 
     def _target_verifies(self, ctx: list[int], tokens: list[int], qs: Sequence[Dist | None] | None,
-                         sp: SamplingParams, rng: np.random.Generator) -> list[Committed]:
+                         sp: SamplingParams, rng: np.random.Generator, origin: Origin) -> list[Committed]:
         """One batched target call: catch up on unseen context, verify `tokens`, add its own token."""
         rows = self._eval(self.target, ctx, tokens, len(tokens) + 1)
         n, nxt = self._verify(rows, tokens, qs, sp, rng)
-        origin = self.drafter.origin
         return [Committed(t, origin, "C", self._logprob(rows, i, t)) for i, t in enumerate(tokens[:n])] + \
             [Committed(nxt, TARGET, "C", self._logprob(rows, n, nxt))]
 
@@ -194,6 +201,8 @@ class Decoder:
                             conf=spec.route != "slim")
         if not draft.tokens:
             return self._ar_round(ctx, sp, rng, stats, budget)
+        if draft.origin == COPY:  # a copy (of a prediction) adds no loss of its own: the target verifies it
+            return self._target_verifies(ctx, draft.tokens, draft.q, sp, rng, COPY)
         lag = len(ctx) - common_prefix(self.target.tokens, ctx)  # committed tokens the target has not seen
         needs_slim = spec.tau_accept > 0 and spec.tau_full <= 1 and not self._lag_exceeded(lag)
         # srows[i] is the slim's prediction for the position of draft token i
@@ -211,7 +220,7 @@ class Decoder:
             if tier == "C":
                 committed = ctx + [c.token for c in out]
                 qs = draft.q[i:] if draft.q is not None else None
-                return out + self._target_verifies(committed, draft.tokens[i:], qs, sp, rng)
+                return out + self._target_verifies(committed, draft.tokens[i:], qs, sp, rng, DRAFT)
             out.append(Committed(tok, DRAFT, tier))
             if self.target.is_eog(tok):
                 break
@@ -248,6 +257,7 @@ class Decoder:
         limit = min(self.spec.hier_block, budget - 1, self.target.n_ctx - len(ctx) - 1)
         block: list[int] = []
         qs: list[Dist | None] | None = None if sp.greedy else []
+        origin: Origin = COPY  # a block of copies only, else the draft model's
         while len(block) < limit:
             base = ctx + block
             draft = self._draft(base, budget, sp, rng, stats, k=min(self.spec.n_draft, limit - len(block)))
@@ -258,6 +268,7 @@ class Decoder:
             while keep < len(draft) and srows.ratio(keep, draft.tokens[keep]) >= self.spec.tau_full:
                 keep += 1
             block += draft.tokens[:keep]
+            origin = origin if draft.origin == COPY else DRAFT
             if qs is not None:
                 qs += draft.q[:keep]
             if keep < len(draft) or any(self.target.is_eog(t) for t in draft.tokens):
@@ -265,4 +276,4 @@ class Decoder:
         if not block:
             return self._ar_round(ctx, sp, rng, stats, budget)
         self._proposed = block  # the drafts it chained, as verified
-        return self._target_verifies(ctx, block, qs, sp, rng)
+        return self._target_verifies(ctx, block, qs, sp, rng, origin)

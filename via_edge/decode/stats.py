@@ -22,7 +22,13 @@ class Stats:
     draft_n: int = 0              # tokens proposed by the drafter
     draft_n_accepted: int = 0     # proposed tokens that were committed (any tier)
     draft_rounds: int = 0         # rounds in which the drafter proposed anything
-    copied_tokens: int = 0        # committed draft tokens that copy the context (lookup)
+    copied_tokens: int = 0        # committed draft tokens that were copies (of the context, a prediction, the memory)
+    prediction_draft_n: int = 0   # draft tokens copied from the request's prediction
+    prediction_draft_n_accepted: int = 0
+    memory_draft_n: int = 0       # draft tokens copied from the engine's copy memory
+    memory_draft_n_accepted: int = 0
+    prediction_accepted: int = 0  # prediction tokens that appear in the answer (OpenAI's accepted_prediction_tokens)
+    prediction_rejected: int = 0  # ... and those that do not (its rejected_prediction_tokens)
     tier_a: int = 0               # accepted without any verifier (routing score >= tau_accept)
     tier_b: int = 0               # decided by the slim verifier
     tier_b_replaced: int = 0      # ... of which the slim replaced the draft token
@@ -51,6 +57,15 @@ class Stats:
             self.copied_tokens += origin == COPY
         elif origin != SLIM:
             self.target_tokens += 1
+
+    def copied_from(self, source: str, drafted: int, accepted: int) -> None:
+        """Account for draft tokens copied from a prediction or the copy memory."""
+        if source == "prediction":
+            self.prediction_draft_n += drafted
+            self.prediction_draft_n_accepted += accepted
+        elif source == "memory":
+            self.memory_draft_n += drafted
+            self.memory_draft_n_accepted += accepted
 
     @property
     def rejected(self) -> int:

@@ -35,6 +35,8 @@ def timings(result: Result, digits: int = 3) -> dict:
         "predicted_n": s.generated_tokens, "predicted_ms": round(s.generate_seconds * 1e3, digits),
         "predicted_per_second": round(s.tokens_per_second, digits),
         "draft_n": s.draft_n, "draft_n_accepted": s.draft_n_accepted, "copied_n": s.copied_tokens,
+        "prediction_draft_n": s.prediction_draft_n, "prediction_draft_n_accepted": s.prediction_draft_n_accepted,
+        "memory_draft_n": s.memory_draft_n, "memory_draft_n_accepted": s.memory_draft_n_accepted,
         "mean_accepted_per_round": round(s.mean_accepted_per_round, digits),
         "mean_draft_length": round(s.mean_draft_length, digits),
         "tier_a": s.tier_a, "tier_b": s.tier_b, "tier_c": s.tier_c, "mode": result.mode,
@@ -42,18 +44,25 @@ def timings(result: Result, digits: int = 3) -> dict:
 
 
 def usage(result: Result) -> dict:
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens}
+    """OpenAI's usage; `completion_tokens_details` counts a prediction's tokens that appear in the
+    answer (accepted) and those that do not (rejected), as its Predicted Outputs do."""
+    s = result.stats
+    out = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+           "total_tokens": result.prompt_tokens + result.completion_tokens}
+    if s.prediction_accepted + s.prediction_rejected:  # a request with a prediction (llama-cpp-python's shape else)
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": s.prediction_accepted,
+                                            "rejected_prediction_tokens": s.prediction_rejected}
+    return out
 
 
 # arguments llama-cpp-python takes that change nothing here at these values (its defaults); any
 # other value is refused by name rather than silently ignored
 NEUTRAL = dict(suffix=None, echo=False, typical_p=1.0, tfs_z=1.0, mirostat_mode=0, mirostat_tau=5.0,
                mirostat_eta=0.1, stopping_criteria=None, logits_processor=None, tools=None, tool_choice=None,
-               functions=None, function_call=None, n=1, best_of=1, prediction=None)
+               functions=None, function_call=None, n=1, best_of=1)
 # what Engine.request takes under the same name: its signature is the one list of generation fields
 # (the prompt and how it is tokenized are the caller's; the rest are mapped below)
-MAPPED = ("grammar", "response_format", "logprobs")
+MAPPED = ("grammar", "response_format", "logprobs", "prediction")
 PASSED = tuple(p for p in inspect.signature(Engine.request).parameters
                if p not in ("self", "prompt", "chat_template", *MAPPED))
 SHAPE_ONLY = ("stream", "model", "user")
@@ -71,6 +80,8 @@ def engine_kwargs(kwargs: Mapping[str, Any], kind: str = "completion") -> dict:
             out[key] = value
         elif key == "grammar":  # GBNF text, or llama-cpp-python's LlamaGrammar
             out["grammar"] = getattr(value, "_grammar", value)
+        elif key == "prediction":
+            out["prediction"] = prediction_text(value)
         elif key == "response_format":
             if not isinstance(value, Mapping):
                 raise InvalidParameterError("'response_format' must be an object", "response_format")
@@ -82,6 +93,25 @@ def engine_kwargs(kwargs: Mapping[str, Any], kind: str = "completion") -> dict:
             raise InvalidParameterError(f"unknown parameter '{key}'", key)
     out["logprobs"] = _logprobs(kwargs.get("logprobs"), kwargs.get("top_logprobs"), kind)
     return out
+
+
+def prediction_text(value: Any) -> str:
+    """The text of OpenAI's `prediction`: {"type": "content", "content": a string or a list of
+    text parts}. Unlike OpenAI, any other field may come with it: the answer does not change."""
+    if not isinstance(value, Mapping):
+        raise InvalidParameterError("'prediction' must be an object: {\"type\": \"content\", \"content\": ...}",
+                                    "prediction")
+    if value.get("type") != "content":
+        raise InvalidParameterError(f"'prediction.type' must be 'content', got {value.get('type')!r:.40}",
+                                    "prediction.type")
+    content = value.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, Mapping) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise InvalidParameterError("'prediction.content' must be a string or a list of {\"type\": \"text\", "
+                                "\"text\": ...} parts", "prediction.content")
 
 
 def _logprobs(logprobs, top_logprobs, kind: str) -> int | None:
