@@ -47,6 +47,11 @@ def test_edit_suite_is_real_code_with_one_instruction_each():
         assert r["prompt"].count("```python") == 2 and "Return the whole edited file" in r["prompt"]
     bugs = {r["source"]: r["prompt"] for r in edits if r["kind"] == "bug"}
     assert "s1.st_ino == s2.st_dev" in bugs["Lib/genericpath.py"]  # the seeded bug is there to fix
+    for r in edits:  # the prediction is the file as the prompt shows it, as an editor sends it
+        assert r["prompt"].split("```python\n", 1)[1].split("```\n", 1)[0] == r["prediction"]
+    agent = [p for p in load_prompts("edit", ["agent"], 5)]
+    assert [len(p.earlier) for p in agent] == [1, 2] and agent[1].earlier[0] == agent[0].earlier[0]
+    assert all("```python\n" not in p.text for p in agent)  # follow-ups do not send the module
 
 
 def test_suites_combine_and_multi_turn_rows_continue_the_targets_conversation(tiny_engine):
@@ -92,8 +97,8 @@ def test_load_requests_take_the_categories_in_turn_and_every_prompt_before_repea
     cats = [p.category for p in load_prompts("spec-bench", None, 1)]
     assert [p.category for p in spec[:13]] == cats and [p.category for p in spec[13:]] == cats[:3]
     assert len({p.text for p in spec}) == 16
-    edit = prompts_in_turn("edit", None, 16)  # 12 edit prompts and one edit-chat: a short category
-    assert len({p.text for p in edit[:13]}) == 13 and edit[13:] == edit[:3]
+    edit = prompts_in_turn("edit", None, 16)  # 12 edit prompts, one edit-chat, two agent: short categories
+    assert len({p.text for p in edit[:15]}) == 15 and edit[15:] == edit[:1]
 
 
 @pytest.mark.parametrize("args,match", [
@@ -153,6 +158,34 @@ def test_bench_quick_end_to_end(tmp_path):
     assert "| via (lossy) | F32 |" in (out / "report.md").read_text()
     diff = cli("bench", "--compare", out, out / "results.json")
     assert diff.returncode == 0 and "| sd |" in diff.stdout and "+0.0%" in diff.stdout
+
+
+@pytest.mark.slow
+def test_predicted_and_memory_variants_and_agent_sequences(tmp_path):
+    """`lookup:predicted` sends a row's prediction and `lookup:nomemory` runs without the copy
+    memory, beside `lookup`; a row of `requests` runs the earlier one first on each method, so
+    `lookup` drafts the repeated answer from its own memory. Exact kernels and drafts of at most
+    6 tokens: every lossless method answers as ar does."""
+    code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+    ask = "Repeat this code exactly:\n\n" + code
+    suite = tmp_path / "rows.jsonl"
+    suite.write_text(json.dumps({"id": "edit", "category": "edit", "prompt": ask, "prediction": code}) + "\n"
+                     + json.dumps({"id": "again", "category": "agent", "requests": [ask, ask]}) + "\n")
+    out = tmp_path / "run"
+    proc = cli("bench", "--pair", "smollm2", "--suite", suite, "--modes", "ar,lookup,lookup:predicted,lookup:nomemory",
+               "--no-peers", "--exact", "--copy-max", 6, "-n", 40, "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads((out / "results.json").read_text())
+    assert res["meta"]["methods"] == ["ar", "lookup", "lookup:predicted", "lookup:nomemory"]
+    run = {(r["method"], r["prompt_id"]): r for r in res["runs"]}
+    for method in res["meta"]["methods"]:
+        assert res["summary"][method]["fidelity"]["exact_rate"] == 1.0, method
+    assert run["lookup:predicted", "edit"]["stats"]["prediction_draft_n_accepted"] > 0
+    assert run["lookup", "edit"]["stats"]["prediction_draft_n"] == 0
+    assert run["lookup", "again"]["stats"]["memory_draft_n_accepted"] > 0
+    assert all(r["stats"]["memory_draft_n"] == 0 for r in res["runs"] if r["method"] == "lookup:nomemory")
+    bad = cli("bench", "--quick", "--modes", "ar,lookup:fast", "--out", tmp_path / "bad")
+    assert bad.returncode == 2 and "unknown variant(s) lookup:fast" in bad.stderr
 
 
 @pytest.mark.slow
@@ -259,10 +292,10 @@ def test_llama_server_peers_run_on_the_same_prompts_and_weights(tmp_path):
         pytest.skip("llama-server is not built here: bash tools/build_llama_server.sh (a few minutes, once)")
     out = tmp_path / "run"
     proc = cli("bench", "--pair", "smollm2", "--modes", "ar", "--peer", "llama-server", "--peer", "llama-server-ngram",
-               "--categories", "coding,summarization", "-n", 24, "--out", out)
+               "--peer", "llama-server-ngram-simple", "--categories", "coding,summarization", "-n", 24, "--out", out)
     assert proc.returncode == 0, proc.stderr
     res = json.loads((out / "results.json").read_text())
-    assert res["meta"]["methods"] == ["ar", "llama-server", "llama-server-ngram"]
+    assert res["meta"]["methods"] == ["ar", "llama-server", "llama-server-ngram", "llama-server-ngram-simple"]
     by = {m: [r for r in res["runs"] if r["method"] == m] for m in res["meta"]["methods"]}
     assert all(len(v) == 2 for v in by.values())
     # same weights, greedy: each token the server chose is the argmax of via-edge's own row for it, up
@@ -272,7 +305,7 @@ def test_llama_server_peers_run_on_the_same_prompts_and_weights(tmp_path):
 
     prompts = {p.id: p.text for p in load_prompts("spec-bench", ["coding", "summarization"], 1)}
     with Engine(res["meta"]["models"]["target"]["path"], mode="ar", n_ctx=4096) as engine:
-        for peer in ("llama-server", "llama-server-ngram"):
+        for peer in ("llama-server", "llama-server-ngram", "llama-server-ngram-simple"):
             for r in by[peer]:
                 assert r["tok_s"] > 0 and r["generated_tokens"] >= 1
                 toks = r["tokens"][:-1] if engine.target.is_eog(r["tokens"][-1]) else r["tokens"]

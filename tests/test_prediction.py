@@ -42,6 +42,18 @@ def test_a_prediction_wins_a_tie_with_the_prompt_and_serves_where_the_prompt_has
     assert propose(other, [1, 2] + SOURCE[:3], k=4) == SOURCE[3:7]
 
 
+def test_an_answer_meets_the_prediction_after_a_preamble():
+    """The answer opens with a fence, then the file: in the prompt the file follows a newline, so
+    the context matches one token further back than the prediction, which starts at the file.
+    The match at the prediction's start is cut by its beginning, not by a mismatch: it wins."""
+    fence, nl = [5, 6], 7
+    prompt = [1, 2, nl] + SOURCE + [3]
+    drafter = CopyDrafter(CopyPolicy(lambda n: 1.0))
+    drafter.begin(prompt, [CopySource("prediction", SOURCE)])
+    assert propose(drafter, prompt + fence + [nl] + SOURCE[:2], k=4) == SOURCE[2:6]
+    assert drafter.at[0] == "prediction" and drafter.src == 2
+
+
 def test_a_longer_match_in_the_context_beats_a_short_one_in_the_prediction():
     drafter = CopyDrafter(CopyPolicy(lambda n: 1.0))
     prompt = SOURCE + [1]

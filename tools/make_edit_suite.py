@@ -5,9 +5,13 @@ Each prompt is one real module (60-200 lines, PSF licence, copied from the Pytho
 script, 3.11 when the suite was made), one instruction of the kinds editors send (rename a
 symbol, add type hints, add docstrings, fix a seeded bug, convert to a dataclass, add logging)
 and the request for the whole edited file, as aider's whole-file format and Continue's apply ask
-for it. A seeded bug is a one-line change made here and described by its symptom. The last row
-is a two-turn chat: turn 2 asks to change the code the model wrote in turn 1 (bench runs the
-first turn's answer greedily, then times the second).
+for it. A seeded bug is a one-line change made here and described by its symptom. Each edit row
+carries the file as `prediction`, as editors send it with OpenAI's Predicted Outputs (bench's
+`<mode>:predicted`). Then a two-turn chat: turn 2 asks to change the code the model wrote in
+turn 1 (bench runs the first turn's answer greedily, then times the second). Last, an agent's
+sequence (category `agent`): a module written in one request, then two follow-up requests that
+ask for it again with changes without sending it or the history (rows of `requests`: bench runs
+the earlier ones untimed on the same method, then times the last).
 
     python tools/make_edit_suite.py            # rewrites via_edge/data/edit/prompts.jsonl
 """
@@ -67,6 +71,18 @@ CHAT = {
 }
 
 
+MODULE = ("a Python module `inventory.py`: a dataclass `Item` (name, quantity, price) and a class "
+          "`Inventory` keeping items by name, with methods `add(item)`, `remove(name)`, `total_value()` and "
+          "`low_stock(threshold)`, each with a docstring")
+WHOLE = "Return the whole module in a single ```python code block, with no explanation."
+AGENT = [
+    f"Write {MODULE}. {WHOLE}",
+    f"Write {MODULE} again, the same as before, but with type hints on every method. {WHOLE}",
+    f"Write {MODULE} again, the same as before with type hints on every method, and add a method "
+    f"`restock(name, amount)` that raises KeyError for an unknown name. {WHOLE}",
+]
+
+
 def main() -> None:
     argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()  # no options: --help only
     lib = Path(sysconfig.get_paths()["stdlib"])
@@ -80,8 +96,9 @@ def main() -> None:
         assert 60 <= lines <= 200, (module, lines)
         prompt = f"{instruction}\n\n`Lib/{module}`:\n```python\n{source}```\n\n{ASK}"
         rows.append({"id": f"edit-{i}", "category": "edit", "kind": kind, "source": f"Lib/{module}",
-                     "lines": lines, "prompt": prompt})
+                     "lines": lines, "prompt": prompt, "prediction": source})
     rows.append(CHAT)
+    rows += [{"id": f"agent-{n}", "category": "agent", "requests": AGENT[:n + 1]} for n in (1, 2)]
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"{OUT}: {len(rows)} prompts")

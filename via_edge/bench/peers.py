@@ -1,5 +1,6 @@
 """What users already have: llama-cpp-python's own `Llama`, plain and with prompt-lookup drafting,
-and llama.cpp's own `llama-server`, plain and with its default n-gram drafting (`--spec-default`).
+and llama.cpp's own `llama-server`, plain, with its default n-gram drafting (`--spec-default`,
+ngram-mod) and with `--spec-type ngram-simple`.
 
 Measured on the same prompt tokens, greedy, same context and threads. `Llama.generate` yields
 token ids, so fidelity is computed on tokens as for via-edge's modes. Its prefill cannot be timed
@@ -37,7 +38,8 @@ from ..llama import on_compute_thread
 from .peer_worker import Generator
 
 DEFAULT_PEERS = ("llama-cpp-python", "llama-cpp-python-lookup")  # what `bench` runs unless told
-SERVER_PEERS = {"llama-server": (), "llama-server-ngram": ("--spec-default",)}  # name -> extra flags
+SERVER_PEERS = {"llama-server": (), "llama-server-ngram": ("--spec-default",),  # name -> extra flags
+                "llama-server-ngram-simple": ("--spec-type", "ngram-simple")}
 PEERS = DEFAULT_PEERS + tuple(SERVER_PEERS)
 BUILD_SERVER = Path(__file__).resolve().parents[2] / "tools" / "build_llama_server.sh"
 

@@ -4,6 +4,12 @@ Each prompt runs all methods back to back in an order rotated per prompt, so mac
 them alike; every model's KV cache is cleared before each run, so each run pays its own prefill;
 a warm-up prompt runs every method first and is not counted. Speedups are ratios to `ar` on the
 same prompt in the same run.
+
+Each method keeps a copy memory of its own (decode/memory.py) across the run, as a server keeps
+its requests' answers: a method never drafts from another method's answer to the same prompt.
+Variants of a mode: `<mode>:predicted` sends a row's `prediction` (the file an edit rewrites, as
+editors send it), `<mode>:nomemory` runs without the copy memory. A row's `earlier` requests (an
+agent's sequence) run untimed before it on the same method, peers included.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..decode.memory import DEFAULT_TOKENS, CopyMemory
 from ..decode.modes import MODE_NAMES
 from ..decode.spec import SpecParams
 from ..engine import Engine
@@ -30,6 +37,7 @@ from .suite import Prompt, load_prompts
 from .tasks import passes
 
 WARMUP = "Say hello in one short sentence."
+VARIANTS = ("predicted", "nomemory")  # what `--modes` may add to a mode after ":"
 QUICK = dict(pair="smollm2", per_category=1, max_tokens=32,
              categories=["coding", "summarization", "translation", "math_reasoning"])
 
@@ -54,6 +62,7 @@ class BenchConfig:
     format: str | None = None  # the target's weight format (Engine's `format`; default auto)
     f32: bool = False
     quick: bool = False
+    copy_memory: int = DEFAULT_TOKENS  # each method's copy memory, in tokens (":nomemory": none)
     command: str = ""
 
     def validate(self) -> None:
@@ -67,9 +76,13 @@ class BenchConfig:
                 check_name(m.partition("@")[2], f"the format of {m}")
         if self.format is not None:
             requested(self.format, explicit_path=False)
-        bad = [m for m in self.modes if m.partition("@")[0] not in MODE_NAMES]
+        bad = [m for m in self.modes if m.partition(":")[0].partition("@")[0] not in MODE_NAMES]
         if bad:
             raise InvalidParameterError(f"unknown mode(s) {', '.join(bad)}; choose from {', '.join(MODE_NAMES)}")
+        odd = [m for m in self.modes if ":" in m and m.partition(":")[2] not in VARIANTS]
+        if odd:
+            raise InvalidParameterError(f"unknown variant(s) {', '.join(odd)}; a mode may end in "
+                                        f"{' or '.join(':' + v for v in VARIANTS)}")
         if "ar" not in self.modes:
             raise InvalidParameterError("--modes must include ar: every speed is a ratio to it")
         if len(set(self.modes)) != len(self.modes):
@@ -134,28 +147,36 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
             return tuned if method.partition(":")[2] == "tuned" else engine  # json: constrained answers
 
         for mode in cfg.modes:
-            engine_of(mode).prepare(mode.partition("@")[0])
+            engine_of(mode).prepare(base_mode(mode))
             if tuned is not None and "@" not in mode:
-                tuned.prepare(mode)
+                tuned.prepare(base_mode(mode))
         peers = [make_peer(name, engine_of(name).target_path, cfg.n_ctx, threads, cfg.peer_python, engine.target.eos)
                  for name in cfg.peers]
         # ar:tuned differs from ar only when the tuned choice runs another weight format
         other_format = tuned is not None and tuned.target_path != engine.target_path
-        plain = [m for m in cfg.modes if "@" not in m]
+        plain = [m for m in cfg.modes if "@" not in m and ":" not in m]
         methods = (list(cfg.modes) + [f"{m}:tuned" for m in plain if tuned and (m != "ar" or other_format)]
                    + [f"{m}:json" for m in plain if cfg.response_format] + [p.name for p in peers])
         formats = {m: engine_of(m).weight_format for m in methods}
         by_name = {p.name: p for p in peers}
+        memories = {m: CopyMemory(0 if m.endswith(":nomemory") else cfg.copy_memory) for m in methods}
 
-        def run_one(method: str, tokens: list[int]) -> dict:
+        def run_one(method: str, tokens: list[int], prompt: Prompt | None = None) -> dict:
+            earlier = [engine.tokens_for(text, True) for text in prompt.earlier] if prompt else []
             if method in by_name:
+                for before in earlier:
+                    by_name[method].run(before, cfg.max_tokens, engine.target.is_eog)
                 return by_name[method].run(tokens, cfg.max_tokens, engine.target.is_eog)
-            mode, _, variant = method.partition(":")
-            mode = mode.partition("@")[0]
+            mode, variant = base_mode(method), method.partition(":")[2]
             e = engine_of(method)
             e.reset()
-            constrained = {"response_format": cfg.response_format} if variant == "json" else {}
-            res = e.generate(tokens, mode=mode, max_tokens=cfg.max_tokens, **constrained)
+            e.memory = memories[method]
+            for before in earlier:
+                e.generate(before, mode=mode, max_tokens=cfg.max_tokens)
+            extra = {"response_format": cfg.response_format} if variant == "json" else {}
+            if variant == "predicted" and prompt is not None:
+                extra["prediction"] = prompt.prediction
+            res = e.generate(tokens, mode=mode, max_tokens=cfg.max_tokens, **extra)
             s = res.stats
             return {"tokens": res.tokens, "prefill_s": s.prefill_seconds, "gen_s": s.generate_seconds,
                     "tok_s": s.tokens_per_second, "stats": s.to_dict(), "tiers": res.tiers,
@@ -192,7 +213,7 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
                 tokens = prompt_tokens(engine, prompt)
                 order = methods[i % len(methods):] + methods[: i % len(methods)]
                 for position, method in enumerate(order):
-                    r = run_one(method, tokens)
+                    r = run_one(method, tokens, prompt)
                     if prompt.check is not None:  # task accuracy: does the answer pass the unit tests?
                         r["text"] = engine.target.detokenize(r["tokens"])
                         r["passed"] = passes(prompt.check, r["text"])
@@ -211,6 +232,11 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
             p.close()
         for e in filter(None, engines.values()):
             e.close()
+
+
+def base_mode(method: str) -> str:
+    """The decoding mode of a method name: `lookup` of `lookup@q4_0:predicted`."""
+    return method.partition(":")[0].partition("@")[0]
 
 
 def prompt_tokens(engine: Engine, prompt: Prompt, earlier_max_tokens: int = 512) -> list[int]:

@@ -23,6 +23,8 @@ class Prompt:
     text: str                      # the (last) user message
     turns: tuple[str, ...] = ()    # a multi-turn row's user messages, `text` the last of them
     check: Problem | None = field(default=None, compare=False)  # unit tests the answer must pass (tasks.py)
+    prediction: str | None = None  # what the answer will likely repeat (an edit's file), for `<mode>:predicted`
+    earlier: tuple[str, ...] = ()  # an agent's requests before this one, each without the history
 
 
 def packaged_rows(suite: str) -> list[dict]:
@@ -44,16 +46,22 @@ def _file_rows(suite: str) -> list[dict]:
 
 
 def to_prompt(row: dict, i: int, suite: str = "") -> Prompt:
-    """A row with `prompt`, or `turns` (the first turn, or every turn when `multi_turn`)."""
+    """A row with `prompt`, `turns` (the first turn, or every turn when `multi_turn`), or
+    `requests` (separate requests, the last one timed); optionally a `prediction`."""
     if not isinstance(row, dict):
         raise InvalidParameterError(f"{suite}: row {i + 1} is not a JSON object")
     turns = row.get("turns") or []
-    text = row.get("prompt") or (turns[-1] if row.get("multi_turn") else (turns or [None])[0])
+    requests = row.get("requests") or []
+    text = row.get("prompt") or (turns[-1] if row.get("multi_turn") else (turns or [None])[0]) or \
+        (requests or [None])[-1]
     if not isinstance(text, str) or not text.strip():
         raise InvalidParameterError(f"{suite}: row {i + 1} has no 'prompt' or 'turns'")
     check = Problem(**row["check"]) if isinstance(row.get("check"), dict) else None
+    prediction = row.get("prediction")
+    if prediction is not None and not isinstance(prediction, str):
+        raise InvalidParameterError(f"{suite}: row {i + 1}: 'prediction' must be text")
     return Prompt(str(row.get("question_id", row.get("id", i + 1))), row.get("category", "default"), text,
-                  tuple(turns) if row.get("multi_turn") else (), check)
+                  tuple(turns) if row.get("multi_turn") else (), check, prediction, tuple(requests[:-1]))
 
 
 def prompts_in_turn(suite: str, categories: list[str] | None, n: int) -> list[Prompt]:

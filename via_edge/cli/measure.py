@@ -11,6 +11,7 @@ import typer
 
 from ..batching import DEFAULT_PARALLEL
 from ..decode.constraints import grammar_text
+from ..decode.memory import DEFAULT_TOKENS
 from ..decode.modes import MODE_NAMES
 from ..decode.spec import SpecParams
 from ..errors import ViaEdgeError
@@ -80,10 +81,15 @@ def _response_format(path: Path | None) -> dict | None:
 def bench(
     pair: Optional[str] = typer.Option(None, help="Catalog pair (default: qwen2.5-coder)."),
     modes: str = typer.Option("ar,sd,via,hier,lookup", help="Comma-separated modes; must include ar. MODE@FORMAT "
-                              "runs a mode on another weight format (e.g. ar@shipped), as does PEER@FORMAT."),
+                              "runs a mode on another weight format (e.g. ar@shipped), as does PEER@FORMAT; "
+                              "MODE:predicted sends each row's prediction (edit suite: the file), "
+                              "MODE:nomemory runs without the copy memory."),
     weight_format: Optional[str] = typer.Option(None, "--format", help="The target's weight format for the modes "
                                                 "and peers: auto (default), shipped, or a recipe (q4_0, ...)."),
-    suite: str = typer.Option("spec-bench", help="spec-bench, or a JSONL file with 'prompt' or 'turns'."),
+    suite: str = typer.Option("spec-bench", help="spec-bench, edit, humaneval, or a JSONL file with 'prompt', "
+                              "'turns' or 'requests' (comma-separated to combine)."),
+    copy_memory: int = typer.Option(DEFAULT_TOKENS, help="Each method's copy memory across the run, in tokens "
+                                    "(0: off)."),
     categories: Optional[str] = typer.Option(None, help="Comma-separated categories (default: all)."),
     per_category: int = typer.Option(1, help="Prompts per category (the first ones, in file order)."),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n"),
@@ -93,8 +99,9 @@ def bench(
     peers: bool = typer.Option(True, "--peers/--no-peers", help="Also measure llama-cpp-python's Llama."),
     peer: Optional[List[str]] = typer.Option(None, help="Only these peers (repeatable): llama-cpp-python, "
                                              "llama-cpp-python-lookup (the default two), llama-server, "
-                                             "llama-server-ngram (llama.cpp's own server, plain and --spec-default; "
-                                             "built by tools/build_llama_server.sh)."),
+                                             "llama-server-ngram, llama-server-ngram-simple (llama.cpp's own "
+                                             "server, plain, --spec-default and --spec-type ngram-simple; built "
+                                             "by tools/build_llama_server.sh)."),
     peer_python: Optional[str] = typer.Option(None, help="Run the peers with this Python, e.g. an environment "
                                               "holding another llama.cpp build (docs/benchmarks.md, section 19)."),
     exact: bool = typer.Option(False, help="Exact kernels (see generate --exact): lossless modes match ar."),
@@ -126,6 +133,7 @@ def bench(
 
     check_range("ctx", ctx, 16, 1 << 20)
     check_range("threads", threads, 1, 1024)
+    check_range("copy_memory", copy_memory, 0, 1 << 24)
     if compare:
         typer.echo(B.compare(B.load_results(compare[0]), B.load_results(compare[1])))
         return
@@ -139,7 +147,7 @@ def bench(
                         per_category=per_category, max_tokens=max_tokens, exact=exact, n_ctx=ctx,
                         threads=threads, tuned=tuned, quick=quick, command="via-edge " + " ".join(sys.argv[1:]),
                         response_format=_response_format(response_format), remote=remote(rpc, tensor_split),
-                        spec=SpecParams(**opts.spec_overrides()), format=weight_format)
+                        spec=SpecParams(**opts.spec_overrides()), format=weight_format, copy_memory=copy_memory)
     if quick:
         cfg.pair = pair or B.QUICK["pair"]
         cfg.categories = cfg.categories or B.QUICK["categories"]

@@ -256,6 +256,7 @@ class CopyDrafter:
         self.others = others  # tokens the other slots put into the target's next decode, if shared
         self.index = NgramIndex()
         self.sources: list[CopySource] = []
+        self.start: list[int] | None = None  # a prediction the answer has not met yet
         self.at: tuple[str, list[int]] | None = None  # the copy's source: (kind, its tokens)
         self.src: int | None = None  # the position in it the next token is expected to copy
         self.run = 0                 # tokens the current alignment has matched
@@ -271,10 +272,10 @@ class CopyDrafter:
         if self.at is None or self.at[1] is not self.index.tokens:  # a source of another request
             self.at, self.src, self.run = None, None, 0
         self._extend(prompt)
-        for source in self.sources:  # the answer is expected to start where the prediction does
-            if source.kind == "prediction":
-                self.at, self.src, self.run = (source.kind, source.tokens), 0, 1
-                break
+        # the answer is expected to start where the prediction does, or after a preamble ("```python")
+        self.start = next((s.tokens for s in self.sources if s.kind == "prediction"), None)
+        if self.start is not None:
+            self.at, self.src, self.run = ("prediction", self.start), 0, 1
 
     def accept(self, n_accepted: int) -> None:
         if self._last is not None:
@@ -292,29 +293,39 @@ class CopyDrafter:
             src = self.src
             if src is not None and src < len(self.at[1]) and self.at[1][src] == tok:
                 self.src, self.run = src + 1, self.run + 1
+                if src == 0 and self.at[1] is self.start:
+                    self.start = None  # the answer starts with the prediction: no other start to look for
             else:
                 self.at, self.src, self.run = None, None, 0
             self.index.append(tok)
 
     def _anchor(self, spec: SpecParams) -> None:
-        """Align with the longest earlier occurrence of the context's end, if longer than the run."""
+        """Align with the longest earlier occurrence of the context's end, if longer than the run;
+        a source (prediction, memory) also takes over an equally long copy of the context."""
         toks = self.index.tokens
         keys = [tuple(toks[len(toks) - n:]) for n in range(min(spec.ngram_max, len(toks)), spec.ngram_min - 1, -1)]
-        best = self.run
+        best, in_context = self.run, self.at is None or self.at[0] == "context"
         for source in self.sources:
             found = source.index.find(keys)
-            if found is not None and found[0] > best:
-                best, self.at, self.src = found[0], (source.kind, source.tokens), found[1]
+            if found is not None and (found[0] > best or (found[0] == best and in_context)):
+                best, self.at, self.src, in_context = found[0], (source.kind, source.tokens), found[1], False
         found = self.index.find(keys)  # the context's own end is not in its index: an earlier occurrence
         if found is not None and found[0] > best:
             best, self.at, self.src = found[0], ("context", toks), found[1]
+        if self.start is not None:  # the context ends with the prediction's beginning: the answer meets it
+            # a match there is cut by the prediction's start, not by a mismatch: it counts one more
+            n = next((n for n in range(min(spec.ngram_max, len(self.start), len(toks)), 0, -1)
+                      if toks[len(toks) - n:] == self.start[:n]), 0)
+            if n and n + 1 >= best:
+                best, self.at, self.src, self.start = n, ("prediction", self.start), n, None
         self.run = best
 
     def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator,
                 spec: SpecParams, *, conf: bool = False, constraint: "Constraint | None" = None) -> Draft:
         draft = Draft(q=None if sp.greedy else [], origin=COPY)
         self._extend(context)
-        if self.run < spec.ngram_max:  # no copy yet, or a short one a longer match may beat
+        # no copy yet, or a short one a longer match may beat; a prediction that still matches is kept
+        if self.run < spec.ngram_max and (self.at is None or self.at[0] != "prediction"):
             self._anchor(spec)
         if self.src is None:
             return draft
