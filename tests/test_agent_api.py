@@ -182,7 +182,7 @@ def test_predicted_outputs_through_the_sdk_leave_the_answer_as_it_was(smollm2):
 @pytest.mark.parametrize("path,extra,field", [
     ("chat/completions", {"n": 2}, "n"),
     ("completions", {"best_of": 3}, "best_of"),
-    ("completions", {"suffix": "x"}, "suffix"),
+    ("completions", {"suffix": 5}, "suffix"),
     ("chat/completions", {"echo": True}, "echo"),
     ("chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
     ("chat/completions", {"logit_bias": {"5": 500}}, "logit_bias"),

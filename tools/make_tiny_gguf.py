@@ -24,6 +24,9 @@ CHATML_TEMPLATE = (
     "{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen2.5-Coder's fill-in-the-middle tokens, by llama.cpp's metadata key (`fim=True`)
+FIM_TOKENS = {"fim_pre": "<|fim_prefix|>", "fim_suf": "<|fim_suffix|>", "fim_mid": "<|fim_middle|>",
+              "fim_pad": "<|fim_pad|>", "fim_rep": "<|repo_name|>", "fim_sep": "<|file_sep|>"}
 MERGES = [
     ("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("e", "r"), ("a", "n"), ("Ġ", "a"),
     ("o", "n"), ("r", "e"), ("Ġ", "s"), ("e", "n"), ("a", "t"), ("o", "r"), ("Ġ", "w"),
@@ -45,7 +48,7 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
-def vocabulary(extra_tokens: int = 0) -> tuple[list[str], list[int], list[str]]:
+def vocabulary(extra_tokens: int = 0, fim: bool = False) -> tuple[list[str], list[int], list[str]]:
     """Tokens, token types and merges: 256 bytes, merged pairs, filler, then the special tokens."""
     tokens = list(bytes_to_unicode().values())
     merges = []
@@ -54,8 +57,9 @@ def vocabulary(extra_tokens: int = 0) -> tuple[list[str], list[int], list[str]]:
         merges.append(f"{a} {b}")
     tokens += [f"<|filler_{i}|>" for i in range(extra_tokens)]
     types = [1] * len(tokens)
-    tokens += SPECIAL_TOKENS
-    types += [3] * len(SPECIAL_TOKENS)
+    special = SPECIAL_TOKENS + (list(FIM_TOKENS.values()) if fim else [])
+    tokens += special
+    types += [3] * len(special)
     return tokens, types, merges
 
 
@@ -92,11 +96,13 @@ def make_tiny_gguf(
     dtype: str = "F32",
     extra_tokens: int = 0,
     eos_after: int = 3,
+    fim: bool = False,
 ) -> Path:
     """Write a tiny model; weights depend only on `seed`, so equal seeds give equal files.
 
     `block_scales` sets each block's residual scale (default `block_scale` for all): near-zero
     blocks barely matter, large ones dominate, which plants a known best slim for search tests.
+    `fim` adds Qwen2.5-Coder's fill-in-the-middle tokens and declares them in the metadata.
     """
     import gguf
 
@@ -105,7 +111,7 @@ def make_tiny_gguf(
     qtype = {"F32": gguf.GGMLQuantizationType.F32, "F16": gguf.GGMLQuantizationType.F16,
              "Q8_0": gguf.GGMLQuantizationType.Q8_0, "Q4_0": gguf.GGMLQuantizationType.Q4_0}[dtype]
     rng = np.random.default_rng(seed)
-    tokens, types, merges = vocabulary(extra_tokens)
+    tokens, types, merges = vocabulary(extra_tokens, fim)
     n_vocab = len(tokens)
     head_dim = n_embd // n_head
     n_kv = n_head_kv * head_dim
@@ -131,6 +137,9 @@ def make_tiny_gguf(
     w.add_bos_token_id(tokens.index("<|endoftext|>"))
     w.add_eos_token_id(tokens.index("<|im_end|>"))
     w.add_add_bos_token(False)
+    if fim:
+        for key, text in FIM_TOKENS.items():
+            w.add_uint32(f"tokenizer.ggml.{key}_token_id", tokens.index(text))
     w.add_chat_template(CHATML_TEMPLATE)
 
     def add(name: str, shape: tuple[int, ...], scale: float, quantize: bool = True) -> None:
@@ -190,9 +199,10 @@ def main() -> None:
     ap.add_argument("--block-scale", type=float, default=1.0)
     ap.add_argument("--dtype", default="F32", choices=["F32", "F16", "Q8_0", "Q4_0"])
     ap.add_argument("--tied", action="store_true", help="LM head tied to the embeddings (else cyclic_head)")
+    ap.add_argument("--fim", action="store_true", help="add Qwen2.5-Coder's fill-in-the-middle tokens")
     a = ap.parse_args()
     make_tiny_gguf(a.out, arch=a.arch, blocks=a.blocks, n_embd=a.embd, seed=a.seed,
-                   block_scale=a.block_scale, dtype=a.dtype, tied=a.tied)
+                   block_scale=a.block_scale, dtype=a.dtype, tied=a.tied, fim=a.fim)
     print(a.out)
 
 

@@ -154,6 +154,10 @@ class LlamaModel:
         self.eos = lc.llama_vocab_eos(self._vocab)
         self.add_bos = bool(lc.llama_vocab_get_add_bos(self._vocab))
         self.vocab_type = lc.llama_vocab_type(self._vocab)
+        # fill-in-the-middle tokens the model declares (or llama.cpp recognised by their text): pre, suf,
+        # mid, rep, sep; a model without pre, suf and mid cannot fill in the middle
+        self.fim = {k: t for k in ("pre", "suf", "mid", "rep", "sep")
+                    if (t := getattr(lc, f"llama_vocab_fim_{k}")(self._vocab)) >= 0}
         self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
         self._logits_ptr_type = ctypes.POINTER(ctypes.c_float)
         self.lock = threading.Lock()  # one llama.cpp call on this context at a time

@@ -18,6 +18,7 @@ from ..engine import MAX_LOGPROBS, Engine, Request
 from ..errors import InvalidParameterError
 from ..results import Result, Stream, drain
 from .callparse import CallStream, parse_calls
+from .infill import infill_tokens
 from .toolcalls import Tools, constrain
 
 # llama-cpp-python's create_completion defaults, so a switched program behaves the same
@@ -287,9 +288,16 @@ def respond(engine: Engine, call: Call, stream: bool = False, *, include_usage: 
 
 
 def create_completion(engine: Engine, prompt: str | Sequence[int], *, stream: bool = False, echo: bool = False,
-                      **kwargs) -> dict | Iterator[dict]:
+                      suffix: str | None = None, **kwargs) -> dict | Iterator[dict]:
     """llama-cpp-python's `Llama.create_completion` on an engine (a dict, or chunks with stream=True);
-    `echo` puts the prompt's text before the completion, as theirs does."""
+    `echo` puts the prompt's text before the completion, as theirs does; with `suffix` the
+    completion fills the gap between prompt and suffix (the model's FIM tokens, infill.py)."""
+    if suffix is not None:
+        if not isinstance(prompt, str) or not isinstance(suffix, str):
+            raise InvalidParameterError("'suffix' must be a string, with a string prompt", "suffix")
+        tokens = infill_tokens(engine.target, prompt, suffix, n_predict=kwargs.get("max_tokens") or 16,
+                               field="suffix")
+        return respond(engine, prepare(engine, tokens, "completion", prompt_text=prompt, echo=echo, **kwargs), stream)
     tokens = engine.tokens_for(prompt, chat_template=False)
     text = prompt if isinstance(prompt, str) else engine.target.detokenize(tokens)
     return respond(engine, prepare(engine, tokens, "completion", prompt_text=text, echo=echo, **kwargs), stream)

@@ -33,9 +33,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import Engine
 from ..errors import RemoteDeviceError, ViaEdgeError
 from ..llama import rpc
+from ..openai_api.infill import as_llama_server
 from ..openai_api.responses import Call, respond
 from .dispatch import Dispatcher
-from .protocol import ChatBody, CompletionBody, HTTPError, Requests
+from .protocol import ChatBody, CompletionBody, HTTPError, InfillBody, Requests
 
 MAX_BODY = 1 << 20
 
@@ -131,6 +132,13 @@ def create_app(engine: Engine, *, max_body: int = MAX_BODY, max_tokens_limit: in
         call = requests.call(body, tokens, prompt_text=requests.prompt_text(body, tokens), echo=body.echo)
         return await generate(request, call, body)
 
+    @app.post("/infill")
+    async def infill(request: Request):
+        """llama-server's fill-in-the-middle endpoint, for editor plugins written for it."""
+        body = await requests.read(request, InfillBody)
+        tokens = requests.fim_tokens(body.input_prefix, body.input_suffix, body.max_tokens, "input_suffix", body)
+        return await generate(request, requests.call(body, tokens), body, as_llama_server)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await requests.read(request, ChatBody)
@@ -138,14 +146,15 @@ def create_app(engine: Engine, *, max_body: int = MAX_BODY, max_tokens_limit: in
         call = requests.call(body, requests.chat_tokens(body, tools), tool_spec=tools)
         return await generate(request, call, body)
 
-    async def generate(request: Request, call: Call, body: CompletionBody | ChatBody):
-        """Queue the checked call; its worker runs it."""
+    async def generate(request: Request, call: Call, body: CompletionBody | ChatBody | InfillBody,
+                       shape: Callable[[dict], dict | None] | None = None):
+        """Queue the checked call; its worker runs it (`shape`: answered in another API's shape)."""
         usage = body.stream_options is not None and body.stream_options.include_usage
 
         def make(stop: Callable[[], bool], arrived: float):
             return respond(engine, call, body.stream, include_usage=usage, should_stop=stop, arrived=arrived)
 
-        return await request.app.state.dispatch.respond(request, make, body.stream)
+        return await request.app.state.dispatch.respond(request, make, body.stream, shape)
 
     return app
 

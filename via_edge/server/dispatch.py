@@ -136,9 +136,12 @@ class Dispatcher:
         future.add_done_callback(done)
         return future
 
-    async def respond(self, request: Request, make: Make, stream: bool):
+    async def respond(self, request: Request, make: Make, stream: bool,
+                      shape: Callable[[dict], dict | None] | None = None):
         """Queue for a slot (the status is decided there: a stream's 200 goes out only once it has
-        one), run one generation, stop it if the client goes away."""
+        one), run one generation, stop it if the client goes away. `shape` turns each OpenAI
+        response or chunk into another API's (None: the chunk is not sent), and a stream so
+        shaped ends without OpenAI's [DONE]."""
         arrived = time.perf_counter()
         self.gate.admit()
         if not await self.gate.enter(request.is_disconnected):
@@ -146,7 +149,7 @@ class Dispatcher:
             return JSONResponse({})  # nobody is listening
         cancel = threading.Event()
         if stream:
-            return self._streamed(make, arrived, cancel)
+            return self._streamed(make, arrived, cancel, shape)
         box: dict = {}
 
         def work() -> None:
@@ -165,9 +168,10 @@ class Dispatcher:
         for choice in out["choices"]:
             choice["finish_reason"] = self._reason(choice["finish_reason"], cancel)
         self._finished(out["choices"][0]["finish_reason"])
-        return JSONResponse(out)
+        return JSONResponse(out if shape is None else shape(out))
 
-    def _streamed(self, make: Make, arrived: float, cancel: threading.Event) -> StreamingResponse:
+    def _streamed(self, make: Make, arrived: float, cancel: threading.Event,
+                  shape: Callable[[dict], dict | None] | None) -> StreamingResponse:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -202,8 +206,13 @@ class Dispatcher:
                         item = {"error": {"message": str(item), "param": getattr(item, "param", None),
                                           "type": "server_error" if remote else "invalid_request_error",
                                           "code": "rpc_failed" if remote else None}}
+                    elif shape is not None:
+                        item = shape(item)
+                        if item is None:
+                            continue
                     yield f"data: {json.dumps(item)}\n\n"
-                yield "data: [DONE]\n\n"
+                if shape is None:
+                    yield "data: [DONE]\n\n"
             finally:
                 cancel.set()  # the client is gone (or the stream ended): the worker stops at its next token
 

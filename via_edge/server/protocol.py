@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 from ..decode.modes import MODE_NAMES
 from ..engine import Engine
 from ..errors import ContextOverflowError, InvalidParameterError
+from ..openai_api.infill import extra_chunks, infill_tokens
 from ..openai_api.responses import Call, prepare
 from ..openai_api.toolcalls import Tools
 
@@ -25,7 +26,8 @@ class _StreamOptions(BaseModel):
 
 # how a request is sent and answered, not what is generated: the rest of a body goes to
 # responses.engine_kwargs, which does each field or refuses it by name (a 400), never ignores it
-TRANSPORT = {"model", "stream", "stream_options", "max_completion_tokens", "messages", "prompt", "echo"}
+TRANSPORT = {"model", "stream", "stream_options", "max_completion_tokens", "messages", "prompt", "echo",
+             "suffix", "input_prefix", "input_suffix", "input_extra", "n_predict"}  # the last: the prompt's parts
 
 
 class _Body(BaseModel):
@@ -109,6 +111,24 @@ class CompletionBody(_Body):
     prompt: Union[StrictStr, list[StrictStr], list[StrictInt]]
     echo: bool = False
     suffix: Any = None
+
+
+class InfillBody(_Body):
+    """llama-server's `/infill`: the text around the gap, other files as context, and what of the
+    middle is typed already (`prompt`). Greedy unless `temperature` is given; its scheduling hints
+    (`cache_prompt`, `samplers`, `t_max_prompt_ms`, `t_max_predict_ms`, `n_indent`, `id_slot`,
+    `response_fields`) are accepted and ignored."""
+
+    input_prefix: StrictStr = ""
+    input_suffix: StrictStr = ""
+    input_extra: Any = None
+    prompt: StrictStr = ""
+    n_predict: StrictInt | None = None
+    temperature: float | None = 0.0
+
+    def model_post_init(self, _context: Any) -> None:
+        if self.max_tokens is None and self.n_predict is not None and self.n_predict >= 0:  # -1: no limit
+            self.max_tokens = self.n_predict
 
 
 class HTTPError(Exception):
@@ -216,6 +236,11 @@ class Requests:
             if len(prompt) != 1:
                 raise HTTPError(400, "'prompt' may hold one string only (no batches)", param="prompt")
             prompt = prompt[0]
+        if body.suffix is not None:  # fill in the middle: the prompt is what comes before the gap
+            if not isinstance(body.suffix, str) or not isinstance(prompt, str):
+                raise HTTPError(400, "'suffix' must be a string, with a string 'prompt'", param="suffix",
+                                code="invalid_value")
+            return self.fim_tokens(prompt, body.suffix, body.max_tokens, "suffix")
         if isinstance(prompt, str):
             return engine.tokens_for(prompt, chat_template=False)
         bad = next((t for t in prompt if not 0 <= t < engine.target.n_vocab), None)
@@ -224,6 +249,17 @@ class Requests:
                             + (f", got {bad}" if bad is not None else ", got an empty list"), param="prompt",
                             code="invalid_value")
         return list(prompt)
+
+    def fim_tokens(self, prefix: str, suffix: str, max_tokens: int | None, field: str,
+                   infill: InfillBody | None = None) -> list[int]:
+        """A fill-in-the-middle prompt (openai_api/infill.py): llama-server's layout for /infill,
+        llama-cpp-python's for `suffix`; a model without FIM tokens is a 400."""
+        try:
+            extra = extra_chunks(infill.input_extra) if infill is not None else None
+            return infill_tokens(self.engine.target, prefix, suffix, extra, infill.prompt if infill else "",
+                                 max_tokens or 256, field)
+        except InvalidParameterError as exc:
+            raise HTTPError(400, str(exc), param=exc.param, code="invalid_value") from exc
 
     def chat_tokens(self, body: ChatBody, tools: Tools | None) -> list[int]:
         try:
