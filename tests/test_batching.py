@@ -145,9 +145,9 @@ def test_copy_drafts_in_a_shared_step_are_sized_for_the_other_slots_tokens(par, 
     heard: list[int] = []
     length = CopyPolicy.length
 
-    def spy(self, run, k_max, others=0, resumed=False):
+    def spy(self, run, k_max, others=0):
         heard.append(others)
-        return length(self, run, k_max, others, resumed)
+        return length(self, run, k_max, others)
 
     monkeypatch.setattr(CopyPolicy, "length", spy)
     looping = [[5, 6, 7, 8, 9] * 6 for _ in range(4)]  # prompts a copy can continue

@@ -73,32 +73,6 @@ def test_a_rejection_re_anchors_on_the_longest_match():
     assert propose(d2, [5, 6, 101, 102, 7, 101, 102, 8, 101], k=3) == [102, 8, 101]
 
 
-def test_after_an_insertion_the_copy_resumes_where_it_was_interrupted():
-    """The model copied the source, inserted two tokens of its own, then goes on with the source.
-    The token it resumes with occurs twice in the source: the latest occurrence (the rule for a
-    fresh match) is the wrong one; the one just past the interruption is right."""
-    source = list(range(100, 160))
-    source[45] = source[20]  # a token that repeats further down (a common one: a newline, "self")
-    drafter = CopyDrafter(free_policy())
-    prompt = source + [3]
-    ctx = prompt + source[:12]
-    assert propose(drafter, ctx, k=8) == source[12:20]
-    ctx += source[12:20] + [900, 901] + [source[20]]  # all 8 accepted, then an insertion, then the source again
-    assert propose(drafter, ctx, k=6) == source[21:27]
-    assert drafter.resumed and drafter.src == 21
-    fresh = CopyDrafter(free_policy())  # without the interrupted copy there is nothing to prefer
-    assert propose(fresh, prompt + [900, 901, source[20]], k=6) == source[46:52]
-
-
-def test_a_resumed_copy_is_priced_apart():
-    policy = CopyPolicy(lambda n: 1.0 + 0.6 * (n - 1))  # a CPU where each verified token costs 0.6 of a step
-    assert policy.length(run=2, k_max=32) == 0 < policy.length(run=2, k_max=32, resumed=True)
-    for _ in range(30):  # resumed copies that fail at once: the policy stops trusting them, fresh ones unchanged
-        policy.observe(run=2, drafted=4, accepted=0, resumed=True)
-    assert policy.length(run=2, k_max=32, resumed=True) == 0
-    assert policy.p_accept(2) == CopyPolicy(lambda n: 1.0).p_accept(2)
-
-
 def test_no_match_proposes_nothing():
     drafter = CopyDrafter(free_policy())
     assert propose(drafter, list(range(50))) == []  # no token repeats

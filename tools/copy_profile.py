@@ -4,7 +4,7 @@
 
     .venv/bin/python tools/copy_profile.py [--prompts 4] [-n 256] [--predicted] [--json out.json]
 
-The default pair as a fresh install runs it (its automatic format, no tuned choice), no copy memory. Per round:
+The default pair as `Engine.from_pair` loads it (its automatic format), no copy memory. Per round:
 context length, the draft (length, source, the copy's run length), the tokens the target kept,
 the target's decode time, and the Python time around it. Printed per prompt and overall:
 verification cost by batch size in single steps (medians at the prompt's context length), tokens
@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write every round here")
     args = ap.parse_args()
     prompts = load_prompts("edit", ["edit"], args.prompts)
-    with Engine.from_pair(None, tuned=False, copy_memory=0) as engine:
+    with Engine.from_pair(None, copy_memory=0) as engine:
         engine.prepare("lookup")
         engine.generate("Say hi.", max_tokens=4)  # warm-up
         traces = {}

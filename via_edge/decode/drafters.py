@@ -13,7 +13,6 @@ those extra copy sources; only copy drafting reads them.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
@@ -106,15 +105,15 @@ class ModelDrafter:
 
 
 class NgramIndex:
-    """Every n-gram (n = 1..NGRAM_LIMIT) of a token list, mapped to the positions right after its
-    occurrences whose continuation is known, in order. Updated per appended token (no rescans):
-    the n-grams ending at the previous token are entered when the next one arrives, so the
-    context's own suffix is never its own match.
+    """Every n-gram (n = 1..NGRAM_LIMIT) of a token list, mapped to the position right after its
+    latest occurrence whose continuation is known. Updated per appended token (no rescans): the
+    n-grams ending at the previous token are entered when the next one arrives, so the context's
+    own suffix is never its own match.
     """
 
     def __init__(self, tokens: Sequence[int] = ()) -> None:
         self.tokens: list[int] = []
-        self._after: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(NGRAM_LIMIT + 1)]
+        self._after: list[dict[tuple[int, ...], int]] = [{} for _ in range(NGRAM_LIMIT + 1)]
         self.extend(tokens)
 
     def __len__(self) -> int:
@@ -123,12 +122,7 @@ class NgramIndex:
     def append(self, token: int) -> None:
         toks, i = self.tokens, len(self.tokens)
         for n in range(1, min(NGRAM_LIMIT, i) + 1):
-            key = tuple(toks[i - n:i])
-            at = self._after[n].get(key)
-            if at is None:
-                self._after[n][key] = [i]
-            else:
-                at.append(i)
+            self._after[n][tuple(toks[i - n:i])] = i
         toks.append(token)
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -147,23 +141,12 @@ class NgramIndex:
         for key in keys:
             at = self._after[len(key)].get(key)
             if at is not None:
-                return len(key), at[-1]
+                return len(key), at
         return None
 
-    def find_near(self, keys: Sequence[tuple[int, ...]], lo: int, hi: int) -> tuple[int, int] | None:
-        """(n, position) of the first of `keys` with an occurrence continuing at a position in
-        lo..hi, the nearest to lo: where a copy interrupted at `lo` resumes."""
-        for key in keys:
-            at = self._after[len(key)].get(key)
-            if at is not None:
-                j = bisect_left(at, lo)
-                if j < len(at) and at[j] <= hi:
-                    return len(key), at[j]
-        return None
-
-    def snapshot(self) -> list[dict[tuple[int, ...], list[int]]]:
+    def snapshot(self) -> list[dict[tuple[int, ...], int]]:
         """The tables, for comparing an incrementally built index with one built from scratch."""
-        return [{k: list(v) for k, v in d.items()} for d in self._after]
+        return [dict(d) for d in self._after]
 
 
 # Prior acceptance of the next copied token by run length (tokens the current copy has matched,
@@ -171,16 +154,7 @@ class NgramIndex:
 # enough for long runs that a real copy gets drafted (and so measured) early; short runs must
 # earn their drafts. The learned counts take over after a few rounds.
 PRIOR = ((0.6, 1.4), (0.9, 1.1), (1.2, 0.8), (1.5, 0.5), (1.7, 0.3), (1.8, 0.2), (1.85, 0.15), (1.9, 0.1))
-# A copy resumed where an interrupted one left off (the model inserted or changed a span, then
-# went on copying) is far likelier to hold than a fresh match anywhere: its prior starts where a
-# fresh copy's stands after 8 tokens (run r is bucketed as 8r would be), and it learns apart.
-RESUMED_PRIOR = PRIOR[3:] + (PRIOR[-1],) * 3
 MEMORY = 48.0  # counts per bucket are scaled down past this: the policy follows the current text
-
-
-HINT_RUN = 4         # a copy that matched this many tokens leaves a hint where it was interrupted
-RESUME_WINDOW = 256  # how far past that point a resumed copy is looked for (a changed or cut span)
-RESUME_SLACK = 4     # ... and how much longer a match elsewhere must be to win over it
 
 
 def _bucket(run: int) -> int:
@@ -208,11 +182,10 @@ class CopyPolicy:
         self.batch_cost = batch_cost
         self.margin = margin
         self.counts = [list(p) for p in PRIOR]
-        self.resumed_counts = [list(p) for p in RESUMED_PRIOR]
         self._costs: dict[int, float] = {}
 
-    def p_accept(self, run: int, resumed: bool = False) -> float:
-        a, r = (self.resumed_counts if resumed else self.counts)[_bucket(max(run, 1))]
+    def p_accept(self, run: int) -> float:
+        a, r = self.counts[_bucket(max(run, 1))]
         return a / (a + r)
 
     def cost(self, n: int) -> float:
@@ -221,26 +194,24 @@ class CopyPolicy:
             c = self._costs[n] = max(float(self.batch_cost(n)), 1e-9) / max(float(self.batch_cost(1)), 1e-9)
         return c
 
-    def length(self, run: int, k_max: int, others: int = 0, resumed: bool = False) -> int:
+    def length(self, run: int, k_max: int, others: int = 0) -> int:
         """The draft length for a copy that has matched `run` tokens (0: do not draft), in a decode
-        that also carries `others` tokens of other sequences; `resumed`: a copy taken up again
-        where an interrupted one left off."""
+        that also carries `others` tokens of other sequences."""
         plain = (others + 1) / self.cost(others + 1)
         best_k, best = 0, plain * (1.0 + self.margin)
         expected, survive = 1.0, 1.0
         for k in range(1, k_max + 1):
-            survive *= self.p_accept(run + k - 1, resumed)
+            survive *= self.p_accept(run + k - 1)
             expected += survive
             gain = (others + expected) / self.cost(others + k + 1)
             if gain > best:
                 best_k, best = k, gain
         return best_k
 
-    def observe(self, run: int, drafted: int, accepted: int, resumed: bool = False) -> None:
+    def observe(self, run: int, drafted: int, accepted: int) -> None:
         """Learn from one verified draft: tokens before `accepted` were accepted, the next rejected."""
-        counts = self.resumed_counts if resumed else self.counts
         for j in range(min(accepted + 1, drafted)):
-            c = counts[_bucket(run + j)]
+            c = self.counts[_bucket(run + j)]
             c[0 if j < accepted else 1] += 1.0
             if c[0] + c[1] > MEMORY:
                 c[0] *= MEMORY / (c[0] + c[1])
@@ -275,11 +246,9 @@ class CopyDrafter:
     copy's source: while the text keeps matching the source, the next draft continues where the
     last left off; after a mismatch it re-anchors on the longest earlier occurrence of the
     context's suffix in any source, the first given winning a tie (a prediction over the
-    prompt that also holds the text). Where an established copy was interrupted (the model
-    inserted or changed a span) the copy most likely resumes just after it: an occurrence near
-    that point wins over a longer one anywhere else, and the policy prices it as resumed.
-    `CopyPolicy` picks the draft length, often 0, so a round without a reliable copy costs what
-    plain decoding costs. Proposals are deterministic: q is a point mass and conf is 1.
+    prompt that also holds the text). `CopyPolicy` picks the draft length, often 0, so a round
+    without a reliable copy costs what plain decoding costs. Proposals are deterministic: q is
+    a point mass and conf is 1.
     """
 
     def __init__(self, policy: CopyPolicy, others: Callable[[], int] | None = None) -> None:
@@ -288,12 +257,10 @@ class CopyDrafter:
         self.index = NgramIndex()
         self.sources: list[CopySource] = []
         self.start: list[int] | None = None  # a prediction the answer has not met yet
-        self.at: tuple[str, list[int], NgramIndex] | None = None  # the copy's source: kind, tokens, index
+        self.at: tuple[str, list[int]] | None = None  # the copy's source: (kind, its tokens)
         self.src: int | None = None  # the position in it the next token is expected to copy
         self.run = 0                 # tokens the current alignment has matched
-        self.resumed = False         # the alignment takes up an interrupted copy where it left off
-        self.hint: tuple[tuple[str, list[int], NgramIndex], int] | None = None  # where an interrupted copy stood
-        self._last: tuple[int, list[int], bool] | None = None  # (run, tokens, resumed) of the draft awaiting `accept`
+        self._last: tuple[int, list[int]] | None = None  # (run, tokens) of the draft awaiting `accept`
 
     def begin(self, prompt: Sequence[int], sources: Sequence[CopySource] = ()) -> None:
         """Keep the index when the prompt extends what it holds (a chat's next turn, a slot's next
@@ -303,20 +270,17 @@ class CopyDrafter:
         if common_prefix(self.index.tokens, prompt) < len(self.index.tokens):
             self.index = NgramIndex()
         if self.at is None or self.at[1] is not self.index.tokens:  # a source of another request
-            self.at, self.src, self.run, self.resumed = None, None, 0, False
-        if self.hint is not None and self.hint[0][1] is not self.index.tokens:
-            self.hint = None
+            self.at, self.src, self.run = None, None, 0
         self._extend(prompt)
         # the answer is expected to start where the prediction does, or after a preamble ("```python")
-        pred = next((s for s in self.sources if s.kind == "prediction"), None)
-        self.start = pred.tokens if pred is not None else None
-        if pred is not None:
-            self.at, self.src, self.run, self.resumed = ("prediction", pred.tokens, pred.index), 0, 1, False
+        self.start = next((s.tokens for s in self.sources if s.kind == "prediction"), None)
+        if self.start is not None:
+            self.at, self.src, self.run = ("prediction", self.start), 0, 1
 
     def accept(self, n_accepted: int) -> None:
         if self._last is not None:
-            run, drafted, resumed = self._last
-            self.policy.observe(run, len(drafted), n_accepted, resumed)
+            run, drafted = self._last
+            self.policy.observe(run, len(drafted), n_accepted)
             self._last = None
 
     def _extend(self, context: Sequence[int]) -> None:
@@ -332,9 +296,7 @@ class CopyDrafter:
                 if src == 0 and self.at[1] is self.start:
                     self.start = None  # the answer starts with the prediction: no other start to look for
             else:
-                if src is not None and self.run >= HINT_RUN:  # an established copy, interrupted here
-                    self.hint = (self.at, src)
-                self.at, self.src, self.run, self.resumed = None, None, 0, False
+                self.at, self.src, self.run = None, None, 0
             self.index.append(tok)
 
     def _anchor(self, spec: SpecParams) -> None:
@@ -342,29 +304,20 @@ class CopyDrafter:
         a source (prediction, memory) also takes over an equally long copy of the context."""
         toks = self.index.tokens
         keys = [tuple(toks[len(toks) - n:]) for n in range(min(spec.ngram_max, len(toks)), spec.ngram_min - 1, -1)]
-        lost = self.src is None
         best, in_context = self.run, self.at is None or self.at[0] == "context"
         for source in self.sources:
             found = source.index.find(keys)
             if found is not None and (found[0] > best or (found[0] == best and in_context)):
-                best, in_context = found[0], False
-                self.at, self.src, self.resumed = (source.kind, source.tokens, source.index), found[1], False
+                best, self.at, self.src, in_context = found[0], (source.kind, source.tokens), found[1], False
         found = self.index.find(keys)  # the context's own end is not in its index: an earlier occurrence
         if found is not None and found[0] > best:
-            best, self.at, self.src, self.resumed = found[0], ("context", toks, self.index), found[1], False
-        if lost and self.hint is not None:  # the interrupted copy going on just past where it stood
-            at, pos = self.hint
-            near = at[2].find_near(keys, pos - 2, pos + RESUME_WINDOW)
-            if near is not None and near[0] + RESUME_SLACK >= best:
-                best, self.at, self.src, self.resumed = near[0], at, near[1], True
+            best, self.at, self.src = found[0], ("context", toks), found[1]
         if self.start is not None:  # the context ends with the prediction's beginning: the answer meets it
             # a match there is cut by the prediction's start, not by a mismatch: it counts one more
             n = next((n for n in range(min(spec.ngram_max, len(self.start), len(toks)), 0, -1)
                       if toks[len(toks) - n:] == self.start[:n]), 0)
             if n and n + 1 >= best:
-                pred = next(s for s in self.sources if s.tokens is self.start)
-                best, self.at, self.src, self.resumed, self.start = n, ("prediction", pred.tokens, pred.index), n, \
-                    False, None
+                best, self.at, self.src, self.start = n, ("prediction", self.start), n, None
         self.run = best
 
     def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator,
@@ -376,16 +329,16 @@ class CopyDrafter:
             self._anchor(spec)
         if self.src is None:
             return draft
-        kind, toks, _ = self.at
+        kind, toks = self.at
         k = self.policy.length(self.run, min(k, spec.copy_max, len(toks) - self.src),
-                               self.others() if self.others is not None else 0, self.resumed)
+                               self.others() if self.others is not None else 0)
         if constraint is not None:  # the copy up to where the grammar would refuse it
             k = constraint.allowed_prefix(context, toks[self.src:self.src + k])
         if k == 0:
             return draft
         draft.tokens = toks[self.src:self.src + k]
         draft.source = kind
-        self._last = (self.run, draft.tokens, self.resumed)
+        self._last = (self.run, draft.tokens)
         if conf:
             draft.conf = [1.0] * k
         if draft.q is not None:
