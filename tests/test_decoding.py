@@ -131,8 +131,8 @@ def test_via_with_tau_accept_zero_is_the_drafts_own_output(engines):
             via = run(engine, prompt, "via", spec=spec)
             own = run(draft_only, prompt, "ar")
             assert via.tokens == own.tokens
-            prefill_only = len(engine.tokens_for(prompt, False)) - 1
-            assert via.stats.target.tokens <= prefill_only and via.stats.tier_a == len(via.tokens)
+            prompt_only = len(engine.tokens_for(prompt, False))  # the prompt in one decode (Seq.prime), nothing after
+            assert via.stats.target.tokens <= prompt_only and via.stats.tier_a == len(via.tokens)
         draft_only.close()
 
 
@@ -146,7 +146,7 @@ def test_via_with_the_whole_target_as_slim_is_exact(tiny_target):
             via = run(engine, prompt, "via", spec=spec)
             assert via.tokens == ar.tokens
             assert set(via.tiers) <= {"A", "B"} and via.stats.tier_b_replaced > 0
-            assert via.stats.target.tokens <= len(engine.tokens_for(prompt, False)) - 1  # prompt only
+            assert via.stats.target.tokens <= len(engine.tokens_for(prompt, False))  # the prompt only (Seq.prime)
 
 
 def test_via_routes_by_the_slims_score(engines):

@@ -54,6 +54,18 @@ def test_an_answer_meets_the_prediction_after_a_preamble():
     assert drafter.at[0] == "prediction" and drafter.src == 2
 
 
+def test_the_prediction_is_read_where_the_prompt_s_longer_copy_goes_on_with_the_same_text():
+    """The prompt shows the file after a fence, and the answer opens with the same fence: the
+    prompt matches several tokens further back than the prediction's start, but both go on with
+    the same text, so the copy is the prediction's."""
+    fence = [5, 6, 7]
+    prompt = [1, 2] + fence + SOURCE + [3]
+    drafter = CopyDrafter(CopyPolicy(lambda n: 1.0))
+    drafter.begin(prompt, [CopySource("prediction", SOURCE)])
+    assert propose(drafter, prompt + fence + SOURCE[:1], k=4) == SOURCE[1:5]
+    assert drafter.at[0] == "prediction" and drafter.run == 4  # the fence and the file's first token
+
+
 def test_a_longer_match_in_the_context_beats_a_short_one_in_the_prediction():
     drafter = CopyDrafter(CopyPolicy(lambda n: 1.0))
     prompt = SOURCE + [1]

@@ -84,9 +84,9 @@ def test_replay_reproduces_real_greedy_runs(recorded):
                     assert rp.rounds == s.rounds, where
                 if rp.first_error < 0 and rp.guesses == 0:
                     exact_costs.add(mode)
-                    prefill = int(len(tok) > 1)  # Engine._prefill's one call; a prefix slim imports KV
+                    prefill = int(len(tok) > 1)  # the prompt's one call (the draft's); a prefix slim imports KV
                     assert rp.draft_n == s.draft_n, where
-                    assert rp.calls["target"] == s.target.calls - prefill, where
+                    assert rp.calls["target"] == s.target.calls - 1, where  # the prompt's call (Seq.prime)
                     if mode in ("sd", "via", "hier"):
                         assert rp.calls["draft"] == s.draft.calls - prefill, where
                     if mode in ("via", "hier"):
@@ -100,14 +100,15 @@ def test_replay_reproduces_real_greedy_runs(recorded):
 
 
 def test_replay_prices_what_it_decodes(recorded):
-    """Seconds are the sum of the cost of each call's batch: ar pays one token per call."""
+    """Seconds are the sum of the cost of each call's batch: ar pays one token per call, and the
+    first answer token's row comes with the prompt (Seq.prime), so its round is free."""
     engine, toks, traces, sts, eog = recorded[0]
     seen = []
     cost = lambda m, n, c: seen.append((m, n, c)) or 0.5 * n  # noqa: E731
     rp = replay(traces[0], None, "ar", SpecParams(), cost, eog)
     assert all(m == "target" and n == 1 for m, n, _ in seen)
-    assert [c for *_, c in seen] == list(range(len(toks[0]) - 1, len(toks[0]) - 1 + len(traces[0].target)))
-    assert rp.seconds == pytest.approx(0.5 * len(traces[0].target))
+    assert [c for *_, c in seen] == list(range(len(toks[0]), len(toks[0]) - 1 + len(traces[0].target)))
+    assert rp.seconds == pytest.approx(0.5 * (len(traces[0].target) - 1))
 
 
 def test_search_finds_planted_layers(tiny_dir):

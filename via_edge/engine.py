@@ -339,7 +339,7 @@ class Engine:
         t0 = t1 = time.perf_counter()
         try:
             stats.cache_tokens = common_prefix(target.tokens, prompt[:-1])
-            self.slots.prefill(slot, prompt[:-1], used, import_slim=self._slim_kv == "import")
+            self.slots.prefill(slot, prompt, used, import_slim=self._slim_kv == "import")
             t1 = time.perf_counter()
             stats.prefill_seconds = t1 - t0
             grammar = req.grammar.clone() if req.grammar is not None else None

@@ -125,14 +125,18 @@ class SlotPool:
             return CopyFirst(slot.drafters["lookup"], slot.drafters["model"])
         return slot.drafters.get(kind or ("lookup" if copy else ""))
 
-    def prefill(self, slot: Slot, tokens: list[int], used: list[tuple[str, ScoredModel]], import_slim: bool) -> None:
-        """Fill every used model's KV on `slot` with the prompt (all but its last token, which
-        each round decodes). A prefix slim imports the target's KV instead of recomputing it
-        when `import_slim` (see docs/design.md)."""
-        m = self.models
+    def prefill(self, slot: Slot, prompt: list[int], used: list[tuple[str, ScoredModel]], import_slim: bool) -> None:
+        """Fill every used model's KV on `slot` with the prompt. The target (one slot) takes all of
+        it in one decode and keeps the last position's logits for the first round (`Seq.prime`);
+        the others, and the target under the scheduler, take all but the last token, which each
+        round decodes. A prefix slim imports the target's KV instead of recomputing it when
+        `import_slim` (see docs/design.md)."""
+        m, tokens = self.models, prompt[:-1]
         for role, scored in used:
             seq = scored.model.seqs[slot.index]
-            if not tokens:
+            if role == "target" and scored.seq is seq:
+                seq.prime(prompt)
+            elif not tokens:
                 seq.reset()
             elif role == "slim" and m.slim_prefix and import_slim:
                 if seq.tokens[:len(tokens)] != tokens:

@@ -316,8 +316,10 @@ class CopyDrafter:
             # a match there is cut by the prediction's start, not by a mismatch: it counts one more
             n = next((n for n in range(min(spec.ngram_max, len(self.start), len(toks)), 0, -1)
                       if toks[len(toks) - n:] == self.start[:n]), 0)
-            if n and n + 1 >= best:
-                best, self.at, self.src, self.start = n, ("prediction", self.start), n, None
+            # ... and where a longer copy found elsewhere goes on with the same text, it is the prediction's
+            agrees = self.src is not None and self.at[1][self.src:self.src + 8] == self.start[n:n + 8]
+            if n and (n + 1 >= best or agrees):
+                best, self.at, self.src, self.start = max(n, best), ("prediction", self.start), n, None
         self.run = best
 
     def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator,

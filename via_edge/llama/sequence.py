@@ -42,6 +42,7 @@ class Seq:
         self.model, self.id, self.n_ctx = model, seq_id, n_ctx
         self.tokens: list[int] = []
         self.usage = ModelUsage()
+        self._held: np.ndarray | None = None  # the last position's logits, kept by `prime` for the next eval
 
     @property
     def n_past(self) -> int:
@@ -66,6 +67,7 @@ class Seq:
             with self.model.lock:
                 self.model.kv_remove(self.id, n)
             del self.tokens[n:]
+            self._held = None
 
     def reset(self) -> None:
         self.truncate(0)
@@ -79,6 +81,7 @@ class Seq:
         n = len(tokens)
         if n == 0:
             raise ValueError("decode needs at least one token")
+        self._held = None
         want = row_indices(rows, n)
         self.check_room(n)
         model = self.model
@@ -111,6 +114,15 @@ class Seq:
         if missing:
             self.decode(missing, "none")
 
+    def prime(self, tokens: Sequence[int]) -> None:
+        """Make the KV cache hold exactly `tokens` and keep the last position's logits, so that the
+        next `eval(tokens)` costs nothing: a prompt and its first answer token's logits in one
+        decode, as llama.cpp's own server runs them, not a prefill then a decode of the last
+        token (one step more before the first token)."""
+        keep = min(common_prefix(self.tokens, tokens), len(tokens) - 1)
+        self.truncate(keep)
+        self._held = np.array(self.decode(tokens[keep:], "last"))
+
     def plan_eval(self, tokens: Sequence[int], n_rows: int) -> tuple[Sequence[int], list[int]]:
         """Roll back for an eval of `tokens`: (tokens to decode, their rows to return)."""
         n = len(tokens)
@@ -128,6 +140,10 @@ class Seq:
         Reuses the longest common prefix already in the cache, rolls back the rest and decodes
         what is missing in one batch. Row j predicts the token after tokens[len - n_rows + j].
         """
+        held, extra = self._held, len(tokens) - len(self.tokens)
+        if held is not None and n_rows == extra + 1 and common_prefix(self.tokens, tokens) == len(self.tokens):
+            # the first row is the one `prime` kept: decode only what follows (a first draft to verify)
+            return held if extra == 0 else np.concatenate([held, self.decode(tokens[len(self.tokens):], "all")])
         return self.decode(*self.plan_eval(tokens, n_rows))
 
     # ---- state (KV import for prefix slims) -----------------------------------------------------
@@ -140,6 +156,7 @@ class Seq:
         with self.model.lock:
             self.model.kv_set_state(self.id, data)
         self.tokens = list(tokens)
+        self._held = None
 
 
 def row_indices(rows: Sequence[int] | str, n: int) -> list[int]:

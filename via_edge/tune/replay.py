@@ -101,17 +101,26 @@ class MeteredKV:
     """What a replayed model's KV cache holds and what each call costs: `LlamaModel.eval`'s
     prefix rule, priced by the meter. Subclasses answer the calls (`_rows`)."""
 
-    def __init__(self, role: str, name: str, meter: Meter, tokens: Sequence[int]) -> None:
+    def __init__(self, role: str, name: str, meter: Meter, tokens: Sequence[int], held: bool = False) -> None:
         self.role, self.name, self.meter = role, name, meter
         self.tokens: list[int] = list(tokens)
+        self.held = held  # the last position's row is already computed (Seq.prime)
 
     def eval(self, tokens: Sequence[int], n_rows: int = 1):
+        held, self.held = self.held, False
+        extra = len(tokens) - len(self.tokens)
+        if held and n_rows == extra + 1 and common_prefix(self.tokens, tokens) == len(self.tokens):
+            if extra:  # only what follows the held row is decoded
+                self.meter.charge(self.role, self.name, extra, len(self.tokens))
+            self.tokens = list(tokens)
+            return self._rows(tokens, n_rows)
         keep = reuse_point(self.tokens, tokens, n_rows)
         self.meter.charge(self.role, self.name, len(tokens) - keep, keep)
         self.tokens = list(tokens)
         return self._rows(tokens, n_rows)
 
     def decode(self, tokens: Sequence[int]):
+        self.held = False
         self.meter.charge(self.role, self.name, len(tokens), len(self.tokens))
         self.tokens += tokens
         return self._rows(self.tokens, 1)
@@ -127,7 +136,10 @@ class TraceModel(MeteredKV):
 
     def __init__(self, role: str, name: str, seq: list[int], p0: int, top: Sequence[int], score: Sequence[float],
                  meter: Meter, eog: frozenset[int], n_ctx: int, placeholders: Iterator) -> None:
-        super().__init__(role, name, meter, seq[:p0 - 1])  # Engine._prefill leaves models holding prompt[:-1]
+        # the engine's prefill leaves the target holding the prompt and its last row (Seq.prime), the
+        # other models holding prompt[:-1]
+        target = role == "target"
+        super().__init__(role, name, meter, seq[:p0] if target else seq[:p0 - 1], held=target)
         self.seq, self.p0 = seq, p0
         self.top, self.score = top, score
         self.eog, self.n_ctx, self.placeholders = eog, n_ctx, placeholders
