@@ -7,7 +7,8 @@ and threads, requests alternated one at a time (docs/benchmarks.md, section 39).
 Each request cuts a module of the edit suite (CPython's standard library) at a line: the prefix
 is the code before (its last 60 lines), the suffix the code after (its next 20 lines), as
 llama.vim sends them, plus the module before it as `input_extra`. Both servers answer greedily
-(`temperature` 0; via-edge in its default mode, `lookup`); llama-server is the binary
+(`temperature` 0; via-edge in its default mode, `lookup`), both reusing the cached prefix of the
+previous request (llama-server: `cache_prompt`; via-edge: always); llama-server is the binary
 `tools/build_llama_server.sh` builds (or VIA_EDGE_LLAMA_SERVER). Per server: median and spread
 of the wall time per request, and the ratio of medians.
 """
@@ -56,7 +57,7 @@ def requests_from_suite(count: int, n_predict: int) -> list[dict]:
         out.append({"input_prefix": "".join(lines[max(0, cut - 60):cut]), "prompt": typed,
                     "input_suffix": line[len(typed):] + "".join(lines[cut + 1:cut + 21]),
                     "input_extra": [{"filename": "other.py", "text": files[i - 1 if i else -1][:3000]}],
-                    "n_predict": n_predict, "temperature": 0, "cache_prompt": False})
+                    "n_predict": n_predict, "temperature": 0, "cache_prompt": True})
     return out
 
 
@@ -80,8 +81,9 @@ def main() -> None:
         reqs = requests_from_suite(args.requests, args.n)
         times: dict[str, list[float]] = {"via-edge": [], "llama-server": []}
         same = 0
-        for base in (ours, theirs):  # warm-up
-            httpx.post(base + "/infill", json=reqs[0], timeout=600).raise_for_status()
+        warm = {"input_prefix": "def f(x):\n    return ", "input_suffix": "\n", "n_predict": 4, "temperature": 0}
+        for base in (ours, theirs):  # warm-up (a request of its own: a repeated prompt would be cached)
+            httpx.post(base + "/infill", json=warm, timeout=600).raise_for_status()
         for i, body in enumerate(reqs):
             order = [("via-edge", ours), ("llama-server", theirs)][:: 1 if i % 2 == 0 else -1]
             texts = {}
