@@ -161,11 +161,19 @@ def test_bench_quick_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
-def test_predicted_and_memory_variants_and_agent_sequences(tmp_path):
+def test_predicted_and_memory_variants_and_agent_sequences(tmp_path, smollm2, monkeypatch):
     """`lookup:predicted` sends a row's prediction and `lookup:nomemory` runs without the copy
     memory, beside `lookup`; a row of `requests` runs the earlier one first on each method, so
     `lookup` drafts the repeated answer from its own memory. Exact kernels and drafts of at most
-    6 tokens: every lossless method answers as ar does."""
+    6 tokens: every lossless method answers as ar does. The run's model directory holds a flat
+    cost profile (a batch costs what one token does), so whether a copy pays does not depend on
+    how busy this machine is while the suite runs."""
+    from via_edge.decode import costs
+    from via_edge.llama import EXACT, LlamaModel, LoadParams, default_threads
+
+    monkeypatch.setenv("VIA_EDGE_MODEL_DIR", str(tmp_path / "models"))
+    with LlamaModel(smollm2, LoadParams(n_ctx=4096, n_threads=default_threads(), **EXACT)) as model:
+        costs.store(model, {n: 0.01 for n in costs.VERIFY_BATCHES})
     code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
     ask = "Repeat this code exactly:\n\n" + code
     suite = tmp_path / "rows.jsonl"

@@ -186,6 +186,12 @@ def measure_verification(model: LlamaModel, repeats: int = 3) -> dict[int, float
     return dict(zip(batches, table.table["target"][0]))
 
 
+def store(model: LlamaModel, seconds: Mapping[int, float]) -> None:
+    """Keep a verification measurement (seconds per batch size) where `batch_cost` reads it."""
+    write_json(_path(model), {"model": model.path.name, "context": _points(model)[1],
+                              "seconds": {str(n): s for n, s in seconds.items()}})
+
+
 def batch_cost(model: LlamaModel) -> Callable[[int], float]:
     """`verify_cost` of this model here, from its stored measurement, measuring it first if there
     is none."""
@@ -195,8 +201,7 @@ def batch_cost(model: LlamaModel) -> Callable[[int], float]:
     except (OSError, ValueError, KeyError):
         seconds = measure_verification(model)
         try:
-            write_json(path, {"model": model.path.name, "context": _points(model)[1],
-                              "seconds": {str(n): s for n, s in seconds.items()}})
+            store(model, seconds)
         except (OSError, ViaEdgeError) as exc:
             log.info("batch costs not stored (%s); measured again next time", exc)
     ns = sorted(seconds)
