@@ -213,6 +213,10 @@ def test_the_header_scan_reads_what_gguf_py_reads(which, request):
             assert got == want, key
     info = read_info(path)
     assert info.vocab_size == len(reader.fields["tokenizer.ggml.tokens"].data) > 0
+    from via_edge.weights import gguf_info
+
+    gguf_info._stored_header.cache_clear()  # a new process: the scan comes from the disk copy
+    assert scan_header(path) == (fields, names) == gguf_info._scan_header(*gguf_info._file_key(path))
 
 
 def test_a_damaged_header_is_one_clear_message(tmp_path, tiny_target):

@@ -85,10 +85,11 @@ def variant_path(source: Path, name: str, sha: str) -> Path:
     return derived_dir(source) / f"{source.stem}.{name}-{sha[:12]}.gguf"
 
 
-def variant_source(path: Path) -> tuple[str, str] | None:
-    """(recipe, SHA-256 of the source) for a variant we derived, else None."""
+def variant_source(path: Path, fresh: bool = False) -> tuple[str, str] | None:
+    """(recipe, SHA-256 of the source) for a variant we derived, else None. `fresh`: for a file
+    just written, read the header again rather than trust the cache (gguf_info.scan_header)."""
     try:
-        fields, _ = scan_header(path, fresh=True)  # the header only: this runs on every start
+        fields, _ = scan_header(path, fresh=fresh)  # the header only: this runs on every start
     except ModelFileError:
         return None
     name, sha = fields.get("via_edge.format.recipe"), fields.get("via_edge.format.source_sha256")
@@ -127,7 +128,7 @@ def derive(source: str | os.PathLike, name: str, *, quiet: bool = False, threads
     read_info(source)  # missing, foreign or truncated: one clear message before anything else
     sha = sha256_cached(source)
     dest = variant_path(source, name, sha)
-    if dest.exists() and variant_source(dest) == (name, sha):
+    if dest.exists() and variant_source(dest, fresh=True) == (name, sha):
         return dest
     need = estimate_size(source, r)
     writable_dir(dest.parent, f"the {name} variant of {source.name}")
@@ -140,7 +141,7 @@ def derive(source: str | os.PathLike, name: str, *, quiet: bool = False, threads
     progress = ByteProgress(f"deriving {name} of {source.name}", need, quiet)
     try:
         _quantize(source, tmp, r, sha, threads, progress)
-        if variant_source(tmp) != (name, sha):
+        if variant_source(tmp, fresh=True) != (name, sha):
             raise ModelFileError(f"llama.cpp wrote an unreadable {name} variant of {source}")
         tmp.replace(dest)
     finally:

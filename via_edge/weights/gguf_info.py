@@ -11,13 +11,15 @@ full reader (`open_reader`).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import struct
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ..errors import ModelFileError
+from ..errors import ModelFileError, ViaEdgeError
 
 GGUF_MAGIC = b"GGUF"
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -114,14 +116,37 @@ def read_info(path: str | os.PathLike) -> GGUFInfo:
 
 def scan_header(path: str | os.PathLike, fresh: bool = False) -> tuple[dict, frozenset[str]]:
     """A checked file's metadata (scalars and strings as values, arrays as lists, or as their
-    length when longer than _SMALL_ARRAY) and its tensor names. Cached by size and mtime, which
-    a file rewritten within the clock's tick keeps: `fresh` reads it again (files via-edge
-    itself writes and checks)."""
+    length when longer than _SMALL_ARRAY) and its tensor names. Cached by size and mtime, in
+    memory and on disk, which a file rewritten within the clock's tick keeps: `fresh` reads it
+    again (files via-edge itself writes and checks)."""
     key = _file_key(path)
-    return _scan_header.__wrapped__(*key) if fresh else _scan_header(*key)
+    return _scan_header(*key) if fresh else _stored_header(*key)
 
 
 @lru_cache(maxsize=8)
+def _stored_header(path: Path, size: int, mtime_ns: int) -> tuple[dict, frozenset[str]]:
+    """`_scan_header`, kept in the model directory: skipping a 150k-token vocabulary's strings
+    one by one is most of a start-up's own time (docs/benchmarks.md, section 43)."""
+    from ..files import write_text
+    from .catalog import model_dir
+
+    digest = hashlib.sha256(f"{path}\0{size}\0{mtime_ns}".encode()).hexdigest()[:24]
+    store = model_dir() / "headers" / f"{digest}.json"
+    try:
+        data = json.loads(store.read_text())
+        return data["fields"], frozenset(data["tensors"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    fields, tensors = _scan_header(path, size, mtime_ns)
+    try:
+        text = json.dumps({"path": str(path), "fields": fields, "tensors": sorted(tensors)})
+        if json.loads(text)["fields"] == fields:  # only what JSON gives back as it was
+            write_text(store, text)
+    except (OSError, TypeError, ValueError, ViaEdgeError):
+        pass  # read again next time
+    return fields, tensors
+
+
 def _scan_header(path: Path, size: int, mtime_ns: int) -> tuple[dict, frozenset[str]]:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
