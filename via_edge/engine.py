@@ -23,7 +23,6 @@ from .decode.constraints import Constraint, LogitRules, grammar_text
 from .decode.drafters import CopySource
 from .decode.loop import Decoder
 from .decode.memory import DEFAULT_TOKENS, CopyMemory
-from .prediction import prediction_source, settle
 from .decode.modes import DEFAULT_MODE, TARGET, check_logprobs, mode_info
 from .decode.sampling import SamplingParams
 from .decode.scores import TokenLogprobs
@@ -33,6 +32,7 @@ from .decode.text import StopMatcher, StreamDecoder
 from .errors import ContextOverflowError, InvalidParameterError
 from .llama import MAX_SEQ, GrammarState, LlamaModel, LoadParams, common_prefix
 from .loading import Loader, Models, model_file, pair_arguments
+from .prediction import prediction_source, settle
 from .openai_api.callparse import parse_calls
 from .openai_api.toolcalls import Tools, constrain, template_messages
 from .prompts import chat_tokens

@@ -297,8 +297,8 @@ def create_completion(engine: Engine, prompt: str | Sequence[int], *, stream: bo
             raise InvalidParameterError("'suffix' must be a string, with a string prompt", "suffix")
         tokens = infill_tokens(engine.target, prompt, suffix, n_predict=kwargs.get("max_tokens") or 16,
                                field="suffix")
-        return respond(engine, prepare(engine, tokens, "completion", prompt_text=prompt, echo=echo, **kwargs), stream)
-    tokens = engine.tokens_for(prompt, chat_template=False)
+    else:
+        tokens = engine.tokens_for(prompt, chat_template=False)
     text = prompt if isinstance(prompt, str) else engine.target.detokenize(tokens)
     return respond(engine, prepare(engine, tokens, "completion", prompt_text=text, echo=echo, **kwargs), stream)
 
