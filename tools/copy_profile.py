@@ -2,9 +2,10 @@
 """Where copy drafting's time goes on edits: every round of `lookup` on the edit suite traced
 (docs/benchmarks.md, section 38).
 
-    .venv/bin/python tools/copy_profile.py [--prompts 4] [-n 256] [--predicted] [--json out.json]
+    .venv/bin/python tools/copy_profile.py [--prompts 4] [-n 256] [--predicted] [--json out.json] [--target GGUF]
 
-The default pair as `Engine.from_pair` loads it (its automatic format), no copy memory. Per round:
+The default pair as `Engine.from_pair` loads it (its automatic format and any tuned knobs), or
+`--target` with the default knobs; no copy memory. Per round:
 context length, the draft (length, source, the copy's run length), the tokens the target kept,
 the target's decode time, and the Python time around it. Printed per prompt and overall:
 verification cost by batch size in single steps (medians at the prompt's context length), tokens
@@ -97,9 +98,12 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=256, help="max tokens per answer")
     ap.add_argument("--predicted", action="store_true", help="send each prompt's file as prediction")
     ap.add_argument("--json", default=None, help="write every round here")
+    ap.add_argument("--target", default=None, help="this GGUF with default knobs, not the default pair as loaded")
     args = ap.parse_args()
     prompts = load_prompts("edit", ["edit"], args.prompts)
-    with Engine.from_pair(None, copy_memory=0) as engine:
+    engine = (Engine(args.target, mode="lookup", n_ctx=4096, copy_memory=0) if args.target
+              else Engine.from_pair(None, copy_memory=0))
+    with engine:
         engine.prepare("lookup")
         engine.generate("Say hi.", max_tokens=4)  # warm-up
         traces = {}

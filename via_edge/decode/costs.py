@@ -32,10 +32,10 @@ from ..machine import machine_key
 from ..weights.catalog import model_dir, sha256_cached
 
 Cost = Callable[[str, int, int], float]  # (model, tokens, context) -> seconds of one call
-VERIFY_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 33)  # 33: a 32-token draft and the target's own token
+VERIFY_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # 64: a 63-token draft and the target's own token
 VERIFY_CONTEXT = 256
 log = logging.getLogger("via_edge.costs")
-PROFILE_BATCHES = tuple(range(1, 17))  # the tuner's cost profile: every size a draft of up to 16 takes
+PROFILE_BATCHES = VERIFY_BATCHES[:8]  # the tuner's cost profile, 1..16: sizes between are interpolated
 PROFILE_CONTEXTS = (64, 384, 1024)
 
 
@@ -204,7 +204,26 @@ def batch_cost(model: LlamaModel) -> Callable[[int], float]:
             store(model, seconds)
         except (OSError, ViaEdgeError) as exc:
             log.info("batch costs not stored (%s); measured again next time", exc)
+    return tiled(seconds)
+
+
+def tiled(seconds: Mapping[int, float]) -> Callable[[int], float]:
+    """Single steps of a verification of n tokens from measured seconds per batch size: what the
+    cheapest measured batch of at least n tokens costs, extended linearly past the largest.
+
+    The CPU kernels work in row tiles (16 rows on x86: on an AMD EPYC 64 rows cost what 48 do and
+    a fifth less than 63, docs/benchmarks.md section 44), so a size between two measured ones is
+    priced as the next: the copy policy then drafts to fill the tile its step pays for.
+    """
     ns = sorted(seconds)
-    context = _points(model)[1]
-    profile = CostProfile(ns, [context], {"target": [[seconds[n] for n in ns]]}, {"target": model.n_layer})
-    return verify_cost(profile.cost, context)
+    raw = [seconds[n] for n in ns]
+    ys = list(raw)
+    for i in range(len(ys) - 2, -1, -1):  # the cheapest batch at least this large
+        ys[i] = min(ys[i], ys[i + 1])
+    one = max(ys[0], 1e-12)
+
+    def cost(n: int) -> float:
+        if n > ns[-1]:
+            return max(_interp_extrap(n, ns, raw), ys[-1]) / one
+        return ys[int(np.searchsorted(ns, n))] / one
+    return cost

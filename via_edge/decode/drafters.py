@@ -150,10 +150,12 @@ class NgramIndex:
 
 
 # Prior acceptance of the next copied token by run length (tokens the current copy has matched,
-# bucketed by bit length: 1, 2-3, 4-7, ..., 64+), as (accepted, rejected) pseudo-counts. Optimistic
-# enough for long runs that a real copy gets drafted (and so measured) early; short runs must
-# earn their drafts. The learned counts take over after a few rounds.
-PRIOR = ((0.6, 1.4), (0.9, 1.1), (1.2, 0.8), (1.5, 0.5), (1.7, 0.3), (1.8, 0.2), (1.85, 0.15), (1.9, 0.1))
+# bucketed by bit length: 1, 2-3, 4-7, ..., 128+), as (accepted, rejected) pseudo-counts: between
+# what the next token did after such runs on Spec-Bench and on the edit suite (8-15 tokens: 0.80
+# and 0.98; 16-31: 0.86 and 0.99; docs/benchmarks.md section 44, tools/copy_replay.py), so a real
+# copy is drafted (and so measured) early and a chance repeat must earn its drafts. The learned
+# counts take over after a few rounds.
+PRIOR = ((0.4, 1.6), (0.9, 1.1), (1.4, 0.6), (1.7, 0.3), (1.84, 0.16), (1.9, 0.1), (1.94, 0.06), (1.96, 0.04))
 MEMORY = 48.0  # counts per bucket are scaled down past this: the policy follows the current text
 
 

@@ -31,8 +31,8 @@ class SpecParams:
     hier_block: int = _knob(12, "hier: tokens per target verification.")
     p_min: float = _knob(0.0, "Stop drafting when the draft's top probability is below this.")
     n_min: int = _knob(0, "Draft at least this many tokens before p_min applies.")
-    copy_max: int = _knob(32, "lookup: longest copied draft; each round drafts 0..this, chosen from the "
-                              "copy's record and the target's batch costs.")
+    copy_max: int = _knob(63, "lookup: longest copied draft (63: a 64-row verification); each round drafts "
+                              "0..this, chosen from the copy's record and the target's batch costs.")
     ngram_min: int = _knob(1, "lookup: shortest repeat of the context's end that anchors a copy.")
     ngram_max: int = _knob(12, f"lookup: longest repeat looked for (at most {NGRAM_LIMIT}).")
 

@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""`lookup`'s copy policy replayed on stored greedy answers: how often a copy's next token is the
+answer's next token by run length, and the speed-up over `ar` a prior would give (docs/benchmarks.md,
+section 44).
+
+    .venv/bin/python tools/copy_replay.py --results edit=/tmp/bench/editA/results.json \\
+        --results spec-bench=/tmp/bench/specB1/results.json [--prior 0.2,0.45,...] [--context 1536]
+
+`--results SUITE=FILE` is a `via-edge bench` results file with an `ar` run per prompt (its tokens
+are the answers). The replay runs the real `CopyDrafter` and `CopyPolicy` over each answer: a round
+drafts what the policy picks, keeps the tokens that match the answer, and costs one verification
+of that many rows. The policy prices verifications with the target's stored batch costs (as
+`lookup` does); the replay charges what they cost at `--context` tokens, measured here first
+(every size from 1 to 80, 3 repeats, about a minute). No generation runs: a prior is judged on
+both suites in seconds, then confirmed by a real interleaved run (`tools/ab_speed.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections import defaultdict
+from importlib.resources import files
+
+import numpy as np
+
+from via_edge import Engine
+from via_edge.bench.suite import load_prompts
+from via_edge.decode import costs, drafters
+from via_edge.decode.drafters import CopyDrafter, CopyPolicy
+from via_edge.decode.sampling import SamplingParams
+from via_edge.decode.spec import SpecParams
+from via_edge.prompts import chat_tokens
+from via_edge.weights import catalog
+
+GREEDY = SamplingParams()
+SIZES = (1, 2, 4, 8, 16, 24, 32, 33, 40, 47, 48, 49, 56, 63, 64, 65, 72, 80)
+
+
+def answers(engine: Engine, suite: str, path: str) -> list[tuple[list[int], list[int]]]:
+    """(prompt tokens, ar's answer tokens) of every prompt the results file ran in `ar`."""
+    prompts = {p.id: p for p in load_prompts(suite, None, 1000)}
+    return [(chat_tokens(engine.target, [{"role": "user", "content": prompts[r["prompt_id"]].text}]), r["tokens"])
+            for r in json.load(open(path))["runs"] if r["method"] == "ar" and r["prompt_id"] in prompts]
+
+
+def calibration(rows) -> dict[int, tuple[int, int]]:
+    """Per run bucket: (copies whose next token was the answer's, copies whose was not)."""
+    seen = defaultdict(lambda: [0, 0])
+    for prompt, out in rows:
+        d = CopyDrafter(CopyPolicy(lambda n: 1.0))  # drafts wherever a copy is aligned
+        d.begin(prompt)
+        for i, tok in enumerate(out):
+            draft = d.propose(prompt + out[:i], 1, GREEDY, None, SpecParams())
+            if draft.tokens:
+                seen[drafters._bucket(d.run)][draft.tokens[0] != tok] += 1
+                d.accept(int(draft.tokens[0] == tok))
+    return {b: tuple(v) for b, v in sorted(seen.items())}
+
+
+def replay(rows, policy_cost, true_cost) -> list[float]:
+    """Speed-up over ar per answer: tokens / single steps spent."""
+    out_speed = []
+    for prompt, out in rows:
+        d = CopyDrafter(CopyPolicy(policy_cost))
+        d.begin(prompt)
+        i, steps = 0, 0.0
+        while i < len(out):
+            draft = d.propose(prompt + out[:i], 64, GREEDY, None, SpecParams())
+            kept = 0
+            while kept < len(draft.tokens) and i + kept < len(out) and draft.tokens[kept] == out[i + kept]:
+                kept += 1
+            if draft.tokens:
+                d.accept(kept)
+            steps += true_cost(len(draft.tokens) + 1)
+            i += kept + 1
+        out_speed.append(len(out) / steps)
+    return out_speed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--results", action="append", required=True, help="SUITE=FILE (repeatable)")
+    ap.add_argument("--prior", default=None, help="comma-separated acceptance per run bucket (1, 2-3, 4-7, "
+                    "..., 128+), 2 pseudo-counts each; default: the shipped prior")
+    ap.add_argument("--context", type=int, default=1536, help="context the replay's costs are measured at")
+    ap.add_argument("--target", default=None, help="GGUF (default: the catalog's default target, shipped file)")
+    args = ap.parse_args()
+    if args.prior:
+        ps = [float(x) for x in args.prior.split(",")]
+        drafters.PRIOR = tuple((2 * p, 2 * (1 - p)) for p in ps)
+    target = args.target or str(catalog.resolve(catalog.pair(None)["target"]))
+    with Engine(target, mode="lookup", n_ctx=4096, copy_memory=0) as engine:
+        policy_cost = costs.batch_cost(engine.target)
+        text = (files("via_edge") / "data" / "perplexity" / "textwrap.py.txt").read_text()
+        fill = engine.target.tokenize(text, add_special=False)
+        measured = costs.measure({"t": engine.target}, fill, batches=SIZES, contexts=(args.context,), repeats=3)
+        seconds = measured.table["t"][0]
+        print(f"verification cost at context {args.context}, single steps: "
+              + ", ".join(f"{n}: {s / seconds[0]:.2f}" for n, s in zip(SIZES, seconds)))
+
+        def true_cost(n: int) -> float:
+            return float(np.interp(n, SIZES, seconds)) / seconds[0]
+        suites = {}
+        for spec in args.results:
+            suite, path = spec.split("=", 1)
+            suites[suite] = answers(engine, suite, path)
+    print("prior acceptance per run bucket:", ", ".join(f"{a / (a + r):.2f}" for a, r in drafters.PRIOR))
+    for suite, rows in suites.items():
+        cal = calibration(rows)
+        print(f"{suite}: next token copied by run bucket (kept/seen): "
+              + ", ".join(f"{b}: {a}/{a + r} = {a / (a + r):.3f}" for b, (a, r) in cal.items()))
+        speed = replay(rows, policy_cost, true_cost)
+        geo = math.exp(sum(map(math.log, speed)) / len(speed))
+        print(f"{suite}: replayed speed-up over ar, geomean {geo:.3f} (min {min(speed):.3f}, max {max(speed):.3f}, "
+              f"{len(speed)} answers)")
+
+
+if __name__ == "__main__":
+    main()
