@@ -382,7 +382,7 @@ def test_tune_command_end_to_end(model_dir, smollm2):
     choice = json.loads(next((model_dir / "tuned").glob("smollm2--*.choice.json")).read_text())
     profile = json.loads(next((model_dir / "tuned").glob("smollm2--*.profile.json")).read_text())
     assert choice["summary"] in out.stdout
-    assert set(profile["table"]) >= {"target", "draft"} and len(profile["batches"]) == 16
+    assert set(profile["table"]) >= {"target", "draft"} and profile["batches"] == [1, 2, 3, 4, 6, 8, 12, 16]
     result = json.loads((model_dir / "report" / "tune.json").read_text())
     assert choice == result["choice"] and choice["mode"] in result["best"]  # stored = reported = a mode's best
     assert choice["modes"][choice["mode"]] == result["best"][choice["mode"]]["spec"]
