@@ -255,7 +255,7 @@ def profile_and_record(cfg: TuneConfig, setup: Setup, fmts: FormatSurvey, log: L
         try:
             models.update(opened)
             fill = [t for p in setup.cal_tokens for t in p]
-            log(f"profiling {', '.join(models)}: batches {cfg.batches[0]}..{cfg.batches[-1]}, contexts "
+            log(f"profiling {', '.join(models)}: batches {', '.join(map(str, cfg.batches))}, contexts "
                 f"{', '.join(map(str, cfg.contexts))}, {cfg.repeats} repeats")
             profile = costs.measure(models, fill, batches=cfg.batches, contexts=cfg.contexts, repeats=cfg.repeats)
         finally:
