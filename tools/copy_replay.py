@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from collections import defaultdict
 from importlib.resources import files
 
@@ -87,8 +88,17 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1536, help="context the replay's costs are measured at")
     ap.add_argument("--target", default=None, help="GGUF (default: the catalog's default target, shipped file)")
     args = ap.parse_args()
+    results = [spec.partition("=")[::2] for spec in args.results]
+    for suite, path in results:
+        if not suite or not os.path.isfile(path):
+            ap.error(f"--results wants SUITE=FILE with an existing bench results file, got {suite}={path}")
     if args.prior:
-        ps = [float(x) for x in args.prior.split(",")]
+        try:
+            ps = [float(x) for x in args.prior.split(",")]
+        except ValueError:
+            ap.error(f"--prior wants comma-separated numbers, got {args.prior!r}")
+        if len(ps) != len(drafters.PRIOR) or not all(0 < p < 1 for p in ps):
+            ap.error(f"--prior wants {len(drafters.PRIOR)} probabilities in (0, 1), one per run bucket")
         drafters.PRIOR = tuple((2 * p, 2 * (1 - p)) for p in ps)
     target = args.target or str(catalog.resolve(catalog.pair(None)["target"]))
     with Engine(target, mode="lookup", n_ctx=4096, copy_memory=0) as engine:
@@ -102,10 +112,7 @@ def main() -> None:
 
         def true_cost(n: int) -> float:
             return float(np.interp(n, SIZES, seconds)) / seconds[0]
-        suites = {}
-        for spec in args.results:
-            suite, path = spec.split("=", 1)
-            suites[suite] = answers(engine, suite, path)
+        suites = {suite: answers(engine, suite, path) for suite, path in results}
     print("prior acceptance per run bucket:", ", ".join(f"{a / (a + r):.2f}" for a, r in drafters.PRIOR))
     for suite, rows in suites.items():
         cal = calibration(rows)
