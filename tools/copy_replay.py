@@ -32,7 +32,6 @@ from via_edge.decode import costs, drafters
 from via_edge.decode.drafters import CopyDrafter, CopyPolicy
 from via_edge.decode.sampling import SamplingParams
 from via_edge.decode.spec import SpecParams
-from via_edge.prompts import chat_tokens
 from via_edge.weights import catalog
 
 GREEDY = SamplingParams()
@@ -40,9 +39,10 @@ SIZES = (1, 2, 4, 8, 16, 24, 32, 33, 40, 47, 48, 49, 56, 63, 64, 65, 72, 80)
 
 
 def answers(engine: Engine, suite: str, path: str) -> list[tuple[list[int], list[int]]]:
-    """(prompt tokens, ar's answer tokens) of every prompt the results file ran in `ar`."""
+    """(prompt tokens, ar's answer tokens) of every prompt the results file ran in `ar`: the
+    prompt tokenized as the engine tokenizes a generation's text."""
     prompts = {p.id: p for p in load_prompts(suite, None, 1000)}
-    return [(chat_tokens(engine.target, [{"role": "user", "content": prompts[r["prompt_id"]].text}]), r["tokens"])
+    return [(engine.tokens_for(prompts[r["prompt_id"]].text, chat_template=True), r["tokens"])
             for r in json.load(open(path))["runs"] if r["method"] == "ar" and r["prompt_id"] in prompts]
 
 
