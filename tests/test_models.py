@@ -224,13 +224,19 @@ def test_derived_files_are_listed_and_deleted_only_by_name(tiny_target, tmp_path
         return subprocess.run([sys.executable, "-m", "via_edge", "models", *args], capture_output=True, text=True,
                               timeout=120)
 
+    def scanned() -> set[str]:  # files whose header scan is kept (gguf_info.scan_header)
+        return {json.loads(p.read_text())["path"] for p in (tmp_path / "headers").glob("*.json")}
+
     listing = cli("list").stdout
     assert "derived files: 3" in listing and "slim 0-1 " in listing and "F32 copy" in listing
+    assert str(made[0].resolve()) in scanned()
     refused = cli("rm", made[0].name, source.name)
     assert refused.returncode == 2 and "target.gguf is not a file via-edge derived" in refused.stderr
     assert made[0].exists() and source.exists()
     assert cli("rm", made[0].name).returncode == 0 and not made[0].exists()
+    assert str(made[0].resolve()) not in scanned()  # its kept header went with it
     dry = cli("prune", "--dry-run")
     assert "would delete slim 0-2" in dry.stdout and made[1].exists()
     assert "freed" in cli("prune").stdout and not made[1].exists() and not made[2].exists()
     assert source.exists() and "derived files: 0" in cli("list").stdout
+    assert scanned() and all(Path(p).exists() for p in scanned())

@@ -13,6 +13,7 @@ from ..tune.store import all_choices
 from . import catalog
 from .autoformat import all_stored
 from .formats import variant_source
+from .gguf_info import forget_header
 from .slim import format_layers, slim_source
 
 _F32 = re.compile(r"\.f32-([0-9a-f]{12})\.gguf$")
@@ -92,8 +93,9 @@ def _sha(name: str | None) -> str | None:
 
 
 def remove(path: Path) -> int:
-    """Delete a derived file and what remembers its hash; the bytes freed."""
+    """Delete a derived file and what remembers its hash and header; the bytes freed."""
     size = path.stat().st_size
+    forget_header(path)
     path.unlink()
     path.with_name("." + path.name + ".sha256").unlink(missing_ok=True)
     return size

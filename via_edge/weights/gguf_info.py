@@ -128,10 +128,8 @@ def _stored_header(path: Path, size: int, mtime_ns: int) -> tuple[dict, frozense
     """`_scan_header`, kept in the model directory: skipping a 150k-token vocabulary's strings
     one by one is most of a start-up's own time (docs/benchmarks.md, section 43)."""
     from ..files import write_text
-    from .catalog import model_dir
 
-    digest = hashlib.sha256(f"{path}\0{size}\0{mtime_ns}".encode()).hexdigest()[:24]
-    store = model_dir() / "headers" / f"{digest}.json"
+    store = _header_store(path, size, mtime_ns)
     try:
         data = json.loads(store.read_text())
         return data["fields"], frozenset(data["tensors"])
@@ -145,6 +143,19 @@ def _stored_header(path: Path, size: int, mtime_ns: int) -> tuple[dict, frozense
     except (OSError, TypeError, ValueError, ViaEdgeError):
         pass  # read again next time
     return fields, tensors
+
+
+def _header_store(path: Path, size: int, mtime_ns: int) -> Path:
+    from .catalog import model_dir
+
+    digest = hashlib.sha256(f"{path}\0{size}\0{mtime_ns}".encode()).hexdigest()[:24]
+    return model_dir() / "headers" / f"{digest}.json"
+
+
+def forget_header(path: str | os.PathLike) -> None:
+    """Drop a file's kept header scan (before the file is deleted: the scan is keyed by its size
+    and mtime)."""
+    _header_store(*_file_key(path)).unlink(missing_ok=True)
 
 
 def _scan_header(path: Path, size: int, mtime_ns: int) -> tuple[dict, frozenset[str]]:
