@@ -2,12 +2,13 @@
 change speed-neutral? (docs/benchmarks.md, section 28)
 
     .venv/bin/python tools/ab_speed.py --base /tmp/before [--new .] [--modes ar,lookup]
-        [--suite edit] [--prompts 4] [-n 128] [--rounds 2] [--target GGUF]
+        [--suite edit] [--categories agent] [--prompts 4] [-n 128] [--rounds 2] [--target GGUF]
 
 `--base` is another checkout (e.g. `git worktree add /tmp/before HEAD~1`). Every (checkout, mode)
 runs in a process of its own, one at a time (two llama.cpp processes at once slow each other
 down many times on 2 cores), their order rotating each round; each process loads the target,
-warms up, then generates every prompt greedily from a cold cache. Reported per mode: the new
+warms up, then generates every prompt greedily from a cold cache (an agent row's earlier requests
+first, untimed, so its copy memory holds their answers as in `via-edge bench`). Reported per mode: the new
 checkout's tok/s over the base's, per prompt (geomean, min-max over prompts and rounds), and each
 checkout's share of wall time spent outside llama_decode (the Python the loop adds).
 """
@@ -29,12 +30,14 @@ import json, sys
 from via_edge import Engine
 from via_edge.bench.suite import prompts_in_turn
 a = json.loads(sys.argv[1])
-prompts = prompts_in_turn(a["suite"], None, a["prompts"])
+prompts = prompts_in_turn(a["suite"], a["categories"], a["prompts"])
 with Engine(a["target"], mode=a["mode"], n_ctx=4096) as engine:
     engine.generate(prompts[0].text, max_tokens=8)  # warm-up (and lookup's batch costs)
     out = []
     for p in prompts:
         engine.reset()
+        for before in p.earlier:
+            engine.generate(before, max_tokens=a["n"])
         s = engine.generate(p.text, max_tokens=a["n"]).stats
         decode = s.target.seconds + s.draft.seconds + s.slim.seconds
         out.append({"id": p.id, "tok_s": s.tokens_per_second, "tokens": s.generated_tokens,
@@ -45,7 +48,7 @@ print(json.dumps({"module": __import__("via_edge").__file__, "runs": out}))
 
 def run(checkout: Path, mode: str, args: argparse.Namespace, target: str) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=str(checkout))
-    arg = json.dumps({"suite": args.suite, "prompts": args.prompts, "n": args.n, "mode": mode, "target": target})
+    arg = json.dumps({"suite": args.suite, "categories": args.categories, "prompts": args.prompts, "n": args.n, "mode": mode, "target": target})
     proc = subprocess.run([sys.executable, "-c", CHILD, arg], env=env, capture_output=True, text=True, cwd="/")
     if proc.returncode != 0:
         raise SystemExit(f"{checkout} {mode} failed:\n{proc.stderr[-2000:]}")
@@ -61,6 +64,8 @@ def main() -> None:
     ap.add_argument("--new", type=Path, default=Path(__file__).resolve().parent.parent, help="default: this one")
     ap.add_argument("--modes", default="ar,lookup")
     ap.add_argument("--suite", default="edit", help="edit or spec-bench")
+    ap.add_argument("--categories", default=None, type=lambda s: s.split(","),
+                    help="comma-separated categories of the suite (e.g. agent; default: all in turn)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("-n", type=int, default=128, help="new tokens per prompt")
     ap.add_argument("--rounds", type=int, default=2)
@@ -77,7 +82,8 @@ def main() -> None:
         for name, mode in order:
             got[(name, mode)].append(run(checkouts[name], mode, args, args.target))
             print(f"round {r + 1}: {name} {mode} done", file=sys.stderr, flush=True)
-    print(f"target {Path(args.target).name}, suite {args.suite}, {args.prompts} prompts x {args.n} tokens, "
+    cats = f" ({','.join(args.categories)})" if args.categories else ""
+    print(f"target {Path(args.target).name}, suite {args.suite}{cats}, {args.prompts} prompts x {args.n} tokens, "
           f"{args.rounds} rounds; base {checkouts['base']}, new {checkouts['new']}")
     print("| mode | new / base tok/s (geomean, min-max) | base tok/s (median) | new tok/s (median) "
           "| outside llama_decode, base / new |")

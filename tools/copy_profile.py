@@ -2,10 +2,12 @@
 """Where copy drafting's time goes on edits: every round of `lookup` on the edit suite traced
 (docs/benchmarks.md, section 38).
 
-    .venv/bin/python tools/copy_profile.py [--prompts 4] [-n 256] [--predicted] [--json out.json] [--target GGUF]
+    .venv/bin/python tools/copy_profile.py [--prompts 4] [--agent] [-n 256] [--predicted] [--json out.json] [--target GGUF]
 
 The default pair as `Engine.from_pair` loads it (its automatic format and any tuned knobs), or
-`--target` with the default knobs; no copy memory. Per round:
+`--target` with the default knobs; no copy memory, except with `--agent`: the edit suite's agent
+rows, each request before the traced one answered first (untimed) with the memory on, as
+`via-edge bench` runs them. Per round:
 context length, the draft (length, source, the copy's run length), the tokens the target kept,
 the target's decode time, and the Python time around it. Printed per prompt and overall:
 verification cost by batch size in single steps (medians at the prompt's context length), tokens
@@ -30,7 +32,9 @@ def trace(engine: Engine, prompt, max_tokens: int, predicted: bool) -> list[dict
     rounds: list[dict] = []
     decodes: list[tuple[int, float]] = []
     engine.target.observers[:] = [lambda parts, s: decodes.append((sum(len(c) for _, c, _ in parts), s))]
-    engine.reset()  # a fresh drafter and cold caches, as bench runs it
+    engine.reset()  # a fresh drafter, memory and cold caches, as bench runs it
+    for before in prompt.earlier:  # an agent's earlier requests fill the memory and teach the policy
+        engine.generate(before, mode="lookup", max_tokens=max_tokens)
     drafter = engine.slots.drafter(engine.slots.slots[0], "lookup")
     propose, accept = type(drafter).propose, type(drafter).accept
 
@@ -96,13 +100,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=4, help="the first N edit prompts")
     ap.add_argument("-n", type=int, default=256, help="max tokens per answer")
+    ap.add_argument("--agent", action="store_true", help="the agent rows (follow-ups drafted from the copy memory)")
     ap.add_argument("--predicted", action="store_true", help="send each prompt's file as prediction")
     ap.add_argument("--json", default=None, help="write every round here")
     ap.add_argument("--target", default=None, help="this GGUF with default knobs, not the default pair as loaded")
     args = ap.parse_args()
-    prompts = load_prompts("edit", ["edit"], args.prompts)
-    engine = (Engine(args.target, mode="lookup", n_ctx=4096, copy_memory=0) if args.target
-              else Engine.from_pair(None, copy_memory=0))
+    prompts = load_prompts("edit", ["agent" if args.agent else "edit"], args.prompts)
+    memory = {} if args.agent else {"copy_memory": 0}
+    engine = (Engine(args.target, mode="lookup", n_ctx=4096, **memory) if args.target
+              else Engine.from_pair(None, **memory))
     with engine:
         engine.prepare("lookup")
         engine.generate("Say hi.", max_tokens=4)  # warm-up
