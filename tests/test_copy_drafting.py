@@ -138,6 +138,23 @@ def test_measured_tiles_price_the_sizes_between_and_a_reliable_copy_fills_the_ch
     assert policy.length(run=100, k_max=50) == 50  # a shorter copy left: all of it
 
 
+def test_chance_anchors_failing_at_their_first_tokens_stop_long_drafts_that_real_copies_earned():
+    """Section 49's agent follow-up: real copies anchored on 4 tokens held 31 tokens each, then
+    4-token chance matches in new code failed at their first or second token. Each real copy
+    passes runs 4, 5, 6 and 7; a bucket shared by runs 4-7 took four acceptances from it against
+    one rejection per chance match, and kept drafting 63 tokens at every chance anchor (EPYC tile
+    costs: 15 steps lost each time). Learned per run, the first tokens' failures show."""
+    policy = CopyPolicy(tiled({1: 0.0415, 2: 0.075, 4: 0.14, 8: 0.29, 16: 0.45, 32: 0.74, 48: 1.03, 64: 1.06}))
+    for _ in range(3):
+        policy.observe(run=4, drafted=31, accepted=31)
+    assert policy.length(run=4, k_max=63) == 63
+    policy.observe(run=4, drafted=31, accepted=1)  # kept the anchor's next token, not the one after
+    policy.observe(run=4, drafted=31, accepted=0)
+    assert policy.length(run=4, k_max=63) < 8
+    assert policy.p_accept(4) < policy.p_accept(6) == policy.p_accept(7)  # later runs keep what real copies taught
+    assert policy.length(run=12, k_max=63) == 63  # a copy past its first tokens still drafts long
+
+
 def test_policy_learns_from_rejections():
     policy = CopyPolicy(lambda n: 1.0 + 0.25 * (n - 1))
     before = policy.length(run=8, k_max=32)

@@ -83,8 +83,8 @@ def replay(rows, policy_cost, true_cost) -> list[float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--results", action="append", required=True, help="SUITE=FILE (repeatable)")
-    ap.add_argument("--prior", default=None, help="comma-separated acceptance per run bucket (1, 2-3, 4-7, "
-                    "..., 128+), 2 pseudo-counts each; default: the shipped prior")
+    ap.add_argument("--prior", default=None, help="comma-separated acceptance per run bucket (runs 1 to 7 one "
+                    "each, then 8-15, 16-31, ..., 128+), 2 pseudo-counts each; default: the shipped prior")
     ap.add_argument("--context", type=int, default=1536, help="context the replay's costs are measured at")
     ap.add_argument("--target", default=None, help="GGUF (default: the catalog's default target, shipped file)")
     args = ap.parse_args()

@@ -149,18 +149,24 @@ class NgramIndex:
         return [dict(d) for d in self._after]
 
 
-# Prior acceptance of the next copied token by run length (tokens the current copy has matched,
-# bucketed by bit length: 1, 2-3, 4-7, ..., 128+), as (accepted, rejected) pseudo-counts: between
-# what the next token did after such runs on Spec-Bench and on the edit suite (8-15 tokens: 0.80
-# and 0.98; 16-31: 0.86 and 0.99; docs/benchmarks.md section 44, tools/copy_replay.py), so a real
-# copy is drafted (and so measured) early and a chance repeat must earn its drafts. The learned
-# counts take over after a few rounds.
-PRIOR = ((0.4, 1.6), (0.9, 1.1), (1.4, 0.6), (1.7, 0.3), (1.84, 0.16), (1.9, 0.1), (1.94, 0.06), (1.96, 0.04))
+# Prior acceptance of the next copied token by run length (tokens the current copy has matched),
+# as (accepted, rejected) pseudo-counts: between what the next token did after such runs on
+# Spec-Bench and on the edit suite (8-15 tokens: 0.80 and 0.98; 16-31: 0.86 and 0.99;
+# docs/benchmarks.md section 44, tools/copy_replay.py), so a real copy is drafted (and so
+# measured) early and a chance repeat must earn its drafts. The learned counts take over after a
+# few rounds. Runs below 8 are learned one by one: a chance match fails within a token or two of
+# its anchor while a real copy passes every one of them, so a shared 4-7 bucket took four
+# acceptances from each real copy against one rejection from each chance match and kept drafting
+# long after chance anchors (docs/benchmarks.md section 49). Longer runs share a bucket per bit
+# length (8-15, 16-31, ..., 128+), where acceptance is flat.
+PRIOR = ((0.4, 1.6), (0.9, 1.1), (0.9, 1.1), (1.4, 0.6), (1.4, 0.6), (1.4, 0.6), (1.4, 0.6),
+         (1.7, 0.3), (1.84, 0.16), (1.9, 0.1), (1.94, 0.06), (1.96, 0.04))
 MEMORY = 48.0  # counts per bucket are scaled down past this: the policy follows the current text
 
 
 def _bucket(run: int) -> int:
-    return min(run.bit_length(), len(PRIOR)) - 1
+    """Runs 1..7 a bucket each (0..6), then 8-15, 16-31, ... by bit length (7, 8, ..., 11 for 128+)."""
+    return run - 1 if run < 8 else min(run.bit_length() + 3, len(PRIOR) - 1)
 
 
 class CopyPolicy:
