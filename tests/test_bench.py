@@ -164,7 +164,8 @@ def test_bench_quick_end_to_end(tmp_path):
 def test_predicted_and_memory_variants_and_agent_sequences(tmp_path, smollm2, monkeypatch):
     """`lookup:predicted` sends a row's prediction and `lookup:nomemory` runs without the copy
     memory, beside `lookup`; a row of `requests` runs the earlier one first on each method, so
-    `lookup` drafts the repeated answer from its own memory. Exact kernels and drafts of at most
+    `lookup` drafts the repeated answer from its own memory, as it does a later row's from the
+    earlier rows' answers. Exact kernels and drafts of at most
     6 tokens: every lossless method answers as ar does. The run's model directory holds a flat
     cost profile (a batch costs what one token does), so whether a copy pays does not depend on
     how busy this machine is while the suite runs."""
@@ -178,7 +179,8 @@ def test_predicted_and_memory_variants_and_agent_sequences(tmp_path, smollm2, mo
     ask = "Repeat this code exactly:\n\n" + code
     suite = tmp_path / "rows.jsonl"
     suite.write_text(json.dumps({"id": "edit", "category": "edit", "prompt": ask, "prediction": code}) + "\n"
-                     + json.dumps({"id": "again", "category": "agent", "requests": [ask, ask]}) + "\n")
+                     + json.dumps({"id": "again", "category": "agent", "requests": [ask, ask]}) + "\n"
+                     + json.dumps({"id": "later", "category": "later", "prompt": ask}) + "\n")
     out = tmp_path / "run"
     proc = cli("bench", "--pair", "smollm2", "--suite", suite, "--modes", "ar,lookup,lookup:predicted,lookup:nomemory",
                "--no-peers", "--exact", "--copy-max", 6, "-n", 40, "--out", out)
@@ -191,6 +193,8 @@ def test_predicted_and_memory_variants_and_agent_sequences(tmp_path, smollm2, mo
     assert run["lookup:predicted", "edit"]["stats"]["prediction_draft_n_accepted"] > 0
     assert run["lookup", "edit"]["stats"]["prediction_draft_n"] == 0
     assert run["lookup", "again"]["stats"]["memory_draft_n_accepted"] > 0
+    # each method's memory goes on across the run, as a server's: the earlier rows' answers are in it
+    assert run["lookup", "later"]["stats"]["memory_draft_n_accepted"] > 0
     assert all(r["stats"]["memory_draft_n"] == 0 for r in res["runs"] if r["method"] == "lookup:nomemory")
     bad = cli("bench", "--quick", "--modes", "ar,lookup:fast", "--out", tmp_path / "bad")
     assert bad.returncode == 2 and "unknown variant(s) lookup:fast" in bad.stderr

@@ -173,13 +173,14 @@ class Engine:
         for m in self.models.each():
             m.close()
 
-    def reset(self) -> None:
-        """Forget every cached prompt (KV caches), so the next call pays its full prefill, and
-        what the copy drafters learned."""
+    def reset(self, memory: bool = True) -> None:
+        """Forget every cached prompt (KV caches), so the next call pays its full prefill, what
+        the copy drafters learned and, unless `memory` is False, the copy memory."""
         for m in self.models.each():
             m.reset()
         self.slots.forget_copies()
-        self.memory.clear()
+        if memory:
+            self.memory.clear()
 
     def __enter__(self) -> "Engine":
         return self

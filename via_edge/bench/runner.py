@@ -169,8 +169,8 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
                 return by_name[method].run(tokens, cfg.max_tokens, engine.target.is_eog)
             mode, variant = base_mode(method), method.partition(":")[2]
             e = engine_of(method)
-            e.reset()
             e.memory = memories[method]
+            e.reset(memory=False)  # cold caches, a fresh drafter; the method's memory goes on
             for before in earlier:
                 e.generate(before, mode=mode, max_tokens=cfg.max_tokens)
             extra = {"response_format": cfg.response_format} if variant == "json" else {}
