@@ -7,7 +7,7 @@ from conftest import EXACT
 
 from via_edge import Engine, SpecParams
 from via_edge.decode.costs import tiled
-from via_edge.decode.drafters import CopyDrafter, CopyPolicy, NgramIndex
+from via_edge.decode.drafters import MEMORY_RUN, CopyDrafter, CopyPolicy, CopySource, NgramIndex
 from via_edge.decode.sampling import SamplingParams
 from via_edge.decode.spec import NGRAM_LIMIT
 from via_edge.errors import InvalidParameterError
@@ -72,6 +72,30 @@ def test_a_rejection_re_anchors_on_the_longest_match():
     # with a shorter suffix only, the latest earlier occurrence wins
     d2 = CopyDrafter(free_policy())
     assert propose(d2, [5, 6, 101, 102, 7, 101, 102, 8, 101], k=3) == [102, 8, 101]
+
+
+def test_another_answers_text_is_drafted_once_it_matches_past_shared_boilerplate():
+    """Spec-Bench answers share up to 12 tokens of boilerplate with earlier answers and then
+    differ (section 51): a memory entry is drafted from once the answer has matched MEMORY_RUN
+    tokens of it, and after a kept draft from it as soon as the policy finds a copy worth it.
+    The request's own context is drafted from at once, as before."""
+    question = [1, 2, 3]
+
+    def fresh() -> CopyDrafter:
+        drafter = CopyDrafter(free_policy())
+        drafter.begin(question, [CopySource("memory", SOURCE)])
+        return drafter
+
+    assert MEMORY_RUN > 12
+    drafter = fresh()
+    assert propose(drafter, question + SOURCE[:12], k=4) == []  # 12 tokens: boilerplate so far
+    assert propose(drafter, question + SOURCE[:MEMORY_RUN], k=4) == SOURCE[MEMORY_RUN:MEMORY_RUN + 4]
+    drafter.accept(4)  # kept: this answer copies that entry
+    ctx = question + SOURCE[:MEMORY_RUN + 4] + [900] + SOURCE[30:34]  # an edit, then the copy resumes
+    assert propose(drafter, ctx, k=4) == SOURCE[34:38]
+    in_context = CopyDrafter(free_policy())
+    in_context.begin(SOURCE + question)
+    assert propose(in_context, SOURCE + question + SOURCE[:4], k=4) == SOURCE[4:8]
 
 
 def test_no_match_proposes_nothing():

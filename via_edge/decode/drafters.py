@@ -161,6 +161,9 @@ class NgramIndex:
 # length (8-15, 16-31, ..., 128+), where acceptance is flat.
 PRIOR = ((0.4, 1.6), (0.9, 1.1), (0.9, 1.1), (1.4, 0.6), (1.4, 0.6), (1.4, 0.6), (1.4, 0.6),
          (1.7, 0.3), (1.84, 0.16), (1.9, 0.1), (1.94, 0.06), (1.96, 0.04))
+MEMORY_RUN = 16  # a memory entry this answer has kept no draft from yet must match this many
+# tokens first: other answers share up to 12 tokens of boilerplate and then differ ("we need to
+# follow these steps:\n\n1. Calculate the", docs/benchmarks.md sections 51 and 52)
 MEMORY = 48.0  # counts per bucket are scaled down past this: the policy follows the current text
 
 
@@ -268,13 +271,15 @@ class CopyDrafter:
         self.at: tuple[str, list[int]] | None = None  # the copy's source: (kind, its tokens)
         self.src: int | None = None  # the position in it the next token is expected to copy
         self.run = 0                 # tokens the current alignment has matched
-        self._last: tuple[int, list[int]] | None = None  # (run, tokens) of the draft awaiting `accept`
+        self.proven: set[int] = set()  # memory entries (id of their tokens) this answer kept a draft from
+        self._last: tuple[int, list[int], int] | None = None  # (run, tokens, source id) of the draft awaiting `accept`
 
     def begin(self, prompt: Sequence[int], sources: Sequence[CopySource] = ()) -> None:
         """Keep the index when the prompt extends what it holds (a chat's next turn, a slot's next
         request on the same text), else index the prompt anew."""
         self._last = None
         self.sources = list(sources)
+        self.proven = set()
         if common_prefix(self.index.tokens, prompt) < len(self.index.tokens):
             self.index = NgramIndex()
         if self.at is None or self.at[1] is not self.index.tokens:  # a source of another request
@@ -287,8 +292,10 @@ class CopyDrafter:
 
     def accept(self, n_accepted: int) -> None:
         if self._last is not None:
-            run, drafted = self._last
+            run, drafted, source = self._last
             self.policy.observe(run, len(drafted), n_accepted)
+            if n_accepted:
+                self.proven.add(source)
             self._last = None
 
     def _extend(self, context: Sequence[int]) -> None:
@@ -340,6 +347,8 @@ class CopyDrafter:
         if self.src is None:
             return draft
         kind, toks = self.at
+        if kind == "memory" and self.run < MEMORY_RUN and id(toks) not in self.proven:
+            return draft  # another request's answer: shared boilerplate is no copy yet
         k = self.policy.length(self.run, min(k, spec.copy_max, len(toks) - self.src),
                                self.others() if self.others is not None else 0)
         if constraint is not None:  # the copy up to where the grammar would refuse it
@@ -348,7 +357,7 @@ class CopyDrafter:
             return draft
         draft.tokens = toks[self.src:self.src + k]
         draft.source = kind
-        self._last = (self.run, draft.tokens)
+        self._last = (self.run, draft.tokens, id(toks))
         if conf:
             draft.conf = [1.0] * k
         if draft.q is not None:
