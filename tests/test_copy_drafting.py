@@ -77,8 +77,8 @@ def test_a_rejection_re_anchors_on_the_longest_match():
 def test_another_answers_text_is_drafted_once_it_matches_past_shared_boilerplate():
     """Spec-Bench answers share up to 12 tokens of boilerplate with earlier answers and then
     differ (section 51): a memory entry is drafted from once the answer has matched MEMORY_RUN
-    tokens of it, and after a kept draft from it as soon as the policy finds a copy worth it.
-    The request's own context is drafted from at once, as before."""
+    tokens of it, and after a kept draft from it (or where the request's own text holds the same
+    match) as soon as the policy finds a copy worth it. The context is drafted from at once."""
     question = [1, 2, 3]
 
     def fresh() -> CopyDrafter:
@@ -93,6 +93,9 @@ def test_another_answers_text_is_drafted_once_it_matches_past_shared_boilerplate
     drafter.accept(4)  # kept: this answer copies that entry
     ctx = question + SOURCE[:MEMORY_RUN + 4] + [900] + SOURCE[30:34]  # an edit, then the copy resumes
     assert propose(drafter, ctx, k=4) == SOURCE[34:38]
+    both = CopyDrafter(free_policy())  # the request holds the text too: no boilerplate, drafted at once
+    both.begin(SOURCE + question, [CopySource("memory", SOURCE)])
+    assert propose(both, SOURCE + question + SOURCE[:4], k=4) == SOURCE[4:8] and both.at[0] == "memory"
     in_context = CopyDrafter(free_policy())
     in_context.begin(SOURCE + question)
     assert propose(in_context, SOURCE + question + SOURCE[:4], k=4) == SOURCE[4:8]

@@ -162,7 +162,7 @@ class NgramIndex:
 PRIOR = ((0.4, 1.6), (0.9, 1.1), (0.9, 1.1), (1.4, 0.6), (1.4, 0.6), (1.4, 0.6), (1.4, 0.6),
          (1.7, 0.3), (1.84, 0.16), (1.9, 0.1), (1.94, 0.06), (1.96, 0.04))
 MEMORY_RUN = 16  # a memory entry this answer has kept no draft from yet must match this many
-# tokens first: other answers share up to 12 tokens of boilerplate and then differ ("we need to
+# tokens first, unless the request's own text holds the same match: other answers share up to 12 tokens of boilerplate and then differ ("we need to
 # follow these steps:\n\n1. Calculate the", docs/benchmarks.md sections 51 and 52)
 MEMORY = 48.0  # counts per bucket are scaled down past this: the policy follows the current text
 
@@ -348,7 +348,9 @@ class CopyDrafter:
             return draft
         kind, toks = self.at
         if kind == "memory" and self.run < MEMORY_RUN and id(toks) not in self.proven:
-            return draft  # another request's answer: shared boilerplate is no copy yet
+            ctx, n = self.index.tokens, min(self.run, spec.ngram_max)
+            if self.index.find([tuple(ctx[len(ctx) - n:])]) is None:
+                return draft  # only another request's answer holds it: shared boilerplate is no copy yet
         k = self.policy.length(self.run, min(k, spec.copy_max, len(toks) - self.src),
                                self.others() if self.others is not None else 0)
         if constraint is not None:  # the copy up to where the grammar would refuse it
