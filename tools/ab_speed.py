@@ -48,7 +48,8 @@ print(json.dumps({"module": __import__("via_edge").__file__, "runs": out}))
 
 def run(checkout: Path, mode: str, args: argparse.Namespace, target: str) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=str(checkout))
-    arg = json.dumps({"suite": args.suite, "categories": args.categories, "prompts": args.prompts, "n": args.n, "mode": mode, "target": target})
+    arg = json.dumps({"suite": args.suite, "categories": args.categories, "prompts": args.prompts, "n": args.n,
+                      "mode": mode, "target": target})
     proc = subprocess.run([sys.executable, "-c", CHILD, arg], env=env, capture_output=True, text=True, cwd="/")
     if proc.returncode != 0:
         raise SystemExit(f"{checkout} {mode} failed:\n{proc.stderr[-2000:]}")

@@ -161,9 +161,11 @@ class NgramIndex:
 # length (8-15, 16-31, ..., 128+), where acceptance is flat.
 PRIOR = ((0.4, 1.6), (0.9, 1.1), (0.9, 1.1), (1.4, 0.6), (1.4, 0.6), (1.4, 0.6), (1.4, 0.6),
          (1.7, 0.3), (1.84, 0.16), (1.9, 0.1), (1.94, 0.06), (1.96, 0.04))
-MEMORY_RUN = 16  # a memory entry this answer has kept no draft from yet must match this many
-# tokens first, unless the request's own text holds the same match: other answers share up to 12 tokens of boilerplate and then differ ("we need to
-# follow these steps:\n\n1. Calculate the", docs/benchmarks.md sections 51 and 52)
+# A memory entry this answer has kept no draft from yet must match this many tokens first, unless
+# the request's own text holds the same match: answers to other requests share up to 12 tokens of
+# boilerplate and then differ ("we need to follow these steps:\n\n1. Calculate the",
+# docs/benchmarks.md sections 51 and 52).
+MEMORY_RUN = 16
 MEMORY = 48.0  # counts per bucket are scaled down past this: the policy follows the current text
 
 
