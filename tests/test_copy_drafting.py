@@ -182,6 +182,26 @@ def test_chance_anchors_failing_at_their_first_tokens_stop_long_drafts_that_real
     assert policy.length(run=12, k_max=63) == 63  # a copy past its first tokens still drafts long
 
 
+EPYC_256 = {1: 0.036, 2: 0.064, 3: 0.085, 4: 0.107, 6: 0.154, 8: 0.235, 12: 0.288, 16: 0.276, 24: 0.422,
+            32: 0.483, 48: 0.677, 64: 0.818}  # seconds per verification at 256 tokens of context, AMD EPYC
+
+
+def test_each_request_starts_from_the_prior():
+    """A request whose copies broke (an agent asking for type hints: every signature changes) must
+    not make the next request, which copies the file whole, draft short (section 53)."""
+    policy = CopyPolicy(tiled(EPYC_256))
+    drafter = CopyDrafter(policy)
+    fresh = policy.length(run=40, k_max=63)
+    assert fresh > 0
+    drafter.begin(SOURCE + [1])
+    for _ in range(20):
+        policy.observe(run=40, drafted=15, accepted=3)
+    assert policy.length(run=40, k_max=63) < fresh
+    drafter.begin(SOURCE + [2])  # the next request
+    assert policy.length(run=40, k_max=63) == fresh
+    assert [round(policy.p_accept(r), 6) for r in (1, 8, 40)] == [0.2, 0.85, 0.95]
+
+
 def test_policy_learns_from_rejections():
     policy = CopyPolicy(lambda n: 1.0 + 0.25 * (n - 1))
     before = policy.length(run=8, k_max=32)

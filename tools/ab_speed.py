@@ -2,7 +2,7 @@
 change speed-neutral? (docs/benchmarks.md, section 28)
 
     .venv/bin/python tools/ab_speed.py --base /tmp/before [--new .] [--modes ar,lookup]
-        [--suite edit] [--categories agent] [--prompts 4] [-n 128] [--rounds 2] [--target GGUF]
+        [--suite edit] [--categories agent] [--prompts 4] [-n 128] [--rounds 2] [--target GGUF] [--per-prompt]
 
 `--base` is another checkout (e.g. `git worktree add /tmp/before HEAD~1`). Every (checkout, mode)
 runs in a process of its own, one at a time (two llama.cpp processes at once slow each other
@@ -41,6 +41,7 @@ with Engine(a["target"], mode=a["mode"], n_ctx=4096) as engine:
         s = engine.generate(p.text, max_tokens=a["n"]).stats
         decode = s.target.seconds + s.draft.seconds + s.slim.seconds
         out.append({"id": p.id, "tok_s": s.tokens_per_second, "tokens": s.generated_tokens,
+                    "calls": s.target.calls, "rows": s.target.tokens,
                     "python": 1 - decode / (s.prefill_seconds + s.generate_seconds)})
 print(json.dumps({"module": __import__("via_edge").__file__, "runs": out}))
 """
@@ -71,6 +72,8 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=128, help="new tokens per prompt")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--target", default=None, help="GGUF (default: the catalog's default target)")
+    ap.add_argument("--per-prompt", action="store_true", help="also a row per prompt: its ratio per round, and the "
+                    "target calls and rows (prompt included) each checkout spent, the same work in every round")
     args = ap.parse_args()
     if args.target is None:
         from via_edge.weights import catalog
@@ -97,6 +100,15 @@ def main() -> None:
         geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
         print(f"| {mode} | {geo:.3f}x ({min(ratios):.3f}-{max(ratios):.3f}) | {med['base']:.1f} | {med['new']:.1f} "
               f"| {py['base']:.1%} / {py['new']:.1%} |")
+    if args.per_prompt:
+        print("\n| mode | prompt | new / base tok/s per round | target calls, base / new | rows verified, base / new |")
+        print("| --- | --- | --- | --- | --- |")
+        for mode in args.modes.split(","):
+            base, new = got[("base", mode)], got[("new", mode)]
+            for i, first in enumerate(base[0]):
+                per_round = " ".join(f"{rn[i]['tok_s'] / rb[i]['tok_s']:.3f}" for rb, rn in zip(base, new))
+                print(f"| {mode} | {first['id']} | {per_round} | {first['calls']} / {new[0][i]['calls']} "
+                      f"| {first['rows']} / {new[0][i]['rows']} |")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ answer's next token by run length, and the speed-up over `ar` a prior would give
 section 44).
 
     .venv/bin/python tools/copy_replay.py --results edit=/tmp/bench/editA/results.json \\
-        --results spec-bench=/tmp/bench/specB1/results.json [--prior 0.2,0.45,...] [--context 1536]
+        --results spec-bench=/tmp/bench/specB1/results.json [--prior 0.2,0.45,...] [--prior-weight 1] [--context 1536]
 
 `--results SUITE=FILE` is a `via-edge bench` results file with an `ar` run per prompt (its tokens
 are the answers). The replay runs the real `CopyDrafter` and `CopyPolicy` over each answer: a round
@@ -84,7 +84,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--results", action="append", required=True, help="SUITE=FILE (repeatable)")
     ap.add_argument("--prior", default=None, help="comma-separated acceptance per run bucket (runs 1 to 7 one "
-                    "each, then 8-15, 16-31, ..., 128+), 2 pseudo-counts each; default: the shipped prior")
+                    "each, then 8-15, 16-31, ..., 128+); default: the shipped prior")
+    ap.add_argument("--prior-weight", type=float, default=None,
+                    help="observed tokens each bucket's prior weighs (default: the shipped weight)")
     ap.add_argument("--context", type=int, default=1536, help="context the replay's costs are measured at")
     ap.add_argument("--target", default=None, help="GGUF (default: the catalog's default target, shipped file)")
     args = ap.parse_args()
@@ -99,7 +101,11 @@ def main() -> None:
             ap.error(f"--prior wants comma-separated numbers, got {args.prior!r}")
         if len(ps) != len(drafters.PRIOR) or not all(0 < p < 1 for p in ps):
             ap.error(f"--prior wants {len(drafters.PRIOR)} probabilities in (0, 1), one per run bucket")
-        drafters.PRIOR = tuple((2 * p, 2 * (1 - p)) for p in ps)
+        drafters.PRIOR = tuple(ps)
+    if args.prior_weight is not None:
+        if not args.prior_weight > 0:
+            ap.error(f"--prior-weight wants a positive number, got {args.prior_weight}")
+        drafters.PRIOR_WEIGHT = args.prior_weight
     target = args.target or str(catalog.resolve(catalog.pair(None)["target"]))
     with Engine(target, mode="lookup", n_ctx=4096, copy_memory=0) as engine:
         policy_cost = costs.batch_cost(engine.target)
@@ -113,7 +119,8 @@ def main() -> None:
         def true_cost(n: int) -> float:
             return float(np.interp(n, SIZES, seconds)) / seconds[0]
         suites = {suite: answers(engine, suite, path) for suite, path in results}
-    print("prior acceptance per run bucket:", ", ".join(f"{a / (a + r):.2f}" for a, r in drafters.PRIOR))
+    print("prior acceptance per run bucket:", ", ".join(f"{p:.2f}" for p in drafters.PRIOR),
+          f"(weight {drafters.PRIOR_WEIGHT:g} token each)")
     for suite, rows in suites.items():
         cal = calibration(rows)
         print(f"{suite}: next token copied by run bucket (kept/seen): "

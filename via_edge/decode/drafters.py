@@ -149,18 +149,21 @@ class NgramIndex:
         return [dict(d) for d in self._after]
 
 
-# Prior acceptance of the next copied token by run length (tokens the current copy has matched),
-# as (accepted, rejected) pseudo-counts: between what the next token did after such runs on
-# Spec-Bench and on the edit suite (8-15 tokens: 0.80 and 0.98; 16-31: 0.86 and 0.99;
-# docs/benchmarks.md section 44, tools/copy_replay.py), so a real copy is drafted (and so
-# measured) early and a chance repeat must earn its drafts. The learned counts take over after a
-# few rounds. Runs below 8 are learned one by one: a chance match fails within a token or two of
-# its anchor while a real copy passes every one of them, so a shared 4-7 bucket took four
-# acceptances from each real copy against one rejection from each chance match and kept drafting
-# long after chance anchors (docs/benchmarks.md section 49). Longer runs share a bucket per bit
-# length (8-15, 16-31, ..., 128+), where acceptance is flat.
-PRIOR = ((0.4, 1.6), (0.9, 1.1), (0.9, 1.1), (1.4, 0.6), (1.4, 0.6), (1.4, 0.6), (1.4, 0.6),
-         (1.7, 0.3), (1.84, 0.16), (1.9, 0.1), (1.94, 0.06), (1.96, 0.04))
+# Prior acceptance of the next copied token by run length (tokens the current copy has matched):
+# between what the next token did after such runs on Spec-Bench and on the edit suite (8-15
+# tokens: 0.80 and 0.98; 16-31: 0.86 and 0.99; docs/benchmarks.md section 44,
+# tools/copy_replay.py), so a real copy is drafted (and so measured) early and a chance repeat
+# must earn its drafts. Runs below 8 are learned one by one: a chance match fails within a token
+# or two of its anchor while a real copy passes every one of them, so a shared 4-7 bucket took
+# four acceptances from each real copy against one rejection from each chance match and kept
+# drafting long after chance anchors (section 49). Longer runs share a bucket per bit length
+# (8-15, 16-31, ..., 128+), where acceptance is flat.
+PRIOR = (0.2, 0.45, 0.45, 0.7, 0.7, 0.7, 0.7, 0.85, 0.92, 0.95, 0.97, 0.98)
+# The prior weighs as two observed tokens per bucket. One would let the answer's first verified
+# draft outweigh it (a held copy then ramps 3, 15, 31, 63 tokens rather than 3, 15, 15, 31), but
+# three real copies would then outweigh two chance anchors failing at their first token, and the
+# policy kept drafting 63 tokens at each (docs/benchmarks.md section 53).
+PRIOR_WEIGHT = 2.0
 # A memory entry this answer has kept no draft from yet must match this many tokens first, unless
 # the request's own text holds the same match: answers to other requests share up to 12 tokens of
 # boilerplate and then differ ("we need to follow these steps:\n\n1. Calculate the",
@@ -194,8 +197,15 @@ class CopyPolicy:
     def __init__(self, batch_cost: Callable[[int], float], margin: float = 0.05) -> None:
         self.batch_cost = batch_cost
         self.margin = margin
-        self.counts = [list(p) for p in PRIOR]
+        self.counts: list[list[float]] = []
+        self.reset()
         self._costs: dict[int, float] = {}
+
+    def reset(self) -> None:
+        """Back to the prior, for a new request: what one request's copies did says little about
+        the next one's (an agent's type-hinting request broke its copies at every signature, the
+        follow-up resending the file copied it whole, docs/benchmarks.md section 53)."""
+        self.counts = [[PRIOR_WEIGHT * p, PRIOR_WEIGHT * (1 - p)] for p in PRIOR]
 
     def p_accept(self, run: int) -> float:
         a, r = self.counts[_bucket(max(run, 1))]
@@ -280,6 +290,7 @@ class CopyDrafter:
         """Keep the index when the prompt extends what it holds (a chat's next turn, a slot's next
         request on the same text), else index the prompt anew."""
         self._last = None
+        self.policy.reset()
         self.sources = list(sources)
         self.proven = set()
         if common_prefix(self.index.tokens, prompt) < len(self.index.tokens):
