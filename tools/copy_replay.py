@@ -120,7 +120,7 @@ def main() -> None:
             return float(np.interp(n, SIZES, seconds)) / seconds[0]
         suites = {suite: answers(engine, suite, path) for suite, path in results}
     print("prior acceptance per run bucket:", ", ".join(f"{p:.2f}" for p in drafters.PRIOR),
-          f"(weight {drafters.PRIOR_WEIGHT:g} token each)")
+          f"(each weighing {drafters.PRIOR_WEIGHT:g} observed tokens)")
     for suite, rows in suites.items():
         cal = calibration(rows)
         print(f"{suite}: next token copied by run bucket (kept/seen): "
