@@ -182,14 +182,10 @@ def test_chance_anchors_failing_at_their_first_tokens_stop_long_drafts_that_real
     assert policy.length(run=12, k_max=63) == 63  # a copy past its first tokens still drafts long
 
 
-EPYC_256 = {1: 0.036, 2: 0.064, 3: 0.085, 4: 0.107, 6: 0.154, 8: 0.235, 12: 0.288, 16: 0.276, 24: 0.422,
-            32: 0.483, 48: 0.677, 64: 0.818}  # seconds per verification at 256 tokens of context, AMD EPYC
-
-
 def test_each_request_starts_from_the_prior():
     """A request whose copies broke (an agent asking for type hints: every signature changes) must
     not make the next request, which copies the file whole, draft short (section 53)."""
-    policy = CopyPolicy(tiled(EPYC_256))
+    policy = CopyPolicy(tiled({1: 0.036, 2: 0.064, 4: 0.107, 8: 0.235, 16: 0.276, 32: 0.483, 64: 0.818}))  # EPYC, 256 ctx
     drafter = CopyDrafter(policy)
     fresh = policy.length(run=40, k_max=63)
     assert fresh > 0

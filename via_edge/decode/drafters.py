@@ -197,7 +197,6 @@ class CopyPolicy:
     def __init__(self, batch_cost: Callable[[int], float], margin: float = 0.05) -> None:
         self.batch_cost = batch_cost
         self.margin = margin
-        self.counts: list[list[float]] = []
         self.reset()
         self._costs: dict[int, float] = {}
 
@@ -205,7 +204,7 @@ class CopyPolicy:
         """Back to the prior, for a new request: what one request's copies did says little about
         the next one's (an agent's type-hinting request broke its copies at every signature, the
         follow-up resending the file copied it whole, docs/benchmarks.md section 53)."""
-        self.counts = [[PRIOR_WEIGHT * p, PRIOR_WEIGHT * (1 - p)] for p in PRIOR]
+        self.counts: list[list[float]] = [[PRIOR_WEIGHT * p, PRIOR_WEIGHT * (1 - p)] for p in PRIOR]
 
     def p_accept(self, run: int) -> float:
         a, r = self.counts[_bucket(max(run, 1))]
