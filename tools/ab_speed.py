@@ -4,13 +4,17 @@ change speed-neutral? (docs/benchmarks.md, section 28)
     .venv/bin/python tools/ab_speed.py --base /tmp/before [--new .] [--modes ar,lookup]
         [--suite edit] [--categories agent] [--prompts 4] [-n 128] [--rounds 2] [--target GGUF] [--per-prompt]
 
-`--base` is another checkout (e.g. `git worktree add /tmp/before HEAD~1`). Every (checkout, mode)
-runs in a process of its own, one at a time (two llama.cpp processes at once slow each other
-down many times on 2 cores), their order rotating each round; each process loads the target,
-warms up, then generates every prompt greedily from a cold cache (an agent row's earlier requests
-first, untimed, so its copy memory holds their answers as in `via-edge bench`). Reported per mode: the new
-checkout's tok/s over the base's, per prompt (geomean, min-max over prompts and rounds), and each
-checkout's share of wall time spent outside llama_decode (the Python the loop adds).
+`--base` is another checkout (e.g. `git worktree add /tmp/before HEAD~1`). Each round starts one
+process per (checkout, mode), which loads the target and warms up, then hands every prompt to each
+process in turn, the order rotating by prompt and round: only one generates at a time (two
+llama.cpp processes at once slow each other down many times on 2 cores), and a checkout's prompt
+runs seconds from the other's, not minutes, so the machine's drift over a round is shared. Whole
+processes still differ (section 53: the same decodes ran 1.01-1.14x between two processes
+alive side by side): read the spread, and `--per-prompt` for whether the work changed. Each prompt runs greedily from a
+cold cache (an agent row's earlier requests first, untimed, so its copy memory holds their answers
+as in `via-edge bench`). Reported per mode: the new checkout's tok/s over the base's, per prompt
+(geomean, min-max over prompts and rounds), and each checkout's share of wall time spent outside
+llama_decode (the Python the loop adds).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 # run in the child, with the checkout first on sys.path: only what every version has is used
@@ -33,31 +38,53 @@ a = json.loads(sys.argv[1])
 prompts = prompts_in_turn(a["suite"], a["categories"], a["prompts"])
 with Engine(a["target"], mode=a["mode"], n_ctx=4096) as engine:
     engine.generate(prompts[0].text, max_tokens=8)  # warm-up (and lookup's batch costs)
-    out = []
-    for p in prompts:
+    print(json.dumps({"module": __import__("via_edge").__file__, "prompts": len(prompts)}), flush=True)
+    for line in sys.stdin:  # the parent names the next prompt once the other processes are idle
+        p = prompts[int(line)]
         engine.reset()
         for before in p.earlier:
             engine.generate(before, max_tokens=a["n"])
         s = engine.generate(p.text, max_tokens=a["n"]).stats
         decode = s.target.seconds + s.draft.seconds + s.slim.seconds
-        out.append({"id": p.id, "tok_s": s.tokens_per_second, "tokens": s.generated_tokens,
-                    "calls": s.target.calls, "rows": s.target.tokens,
-                    "python": 1 - decode / (s.prefill_seconds + s.generate_seconds)})
-print(json.dumps({"module": __import__("via_edge").__file__, "runs": out}))
+        print(json.dumps({"id": p.id, "tok_s": s.tokens_per_second, "tokens": s.generated_tokens,
+                          "calls": s.target.calls, "rows": s.target.tokens,
+                          "python": 1 - decode / (s.prefill_seconds + s.generate_seconds)}), flush=True)
 """
 
 
-def run(checkout: Path, mode: str, args: argparse.Namespace, target: str) -> list[dict]:
-    env = dict(os.environ, PYTHONPATH=str(checkout))
-    arg = json.dumps({"suite": args.suite, "categories": args.categories, "prompts": args.prompts, "n": args.n,
-                      "mode": mode, "target": target})
-    proc = subprocess.run([sys.executable, "-c", CHILD, arg], env=env, capture_output=True, text=True, cwd="/")
-    if proc.returncode != 0:
-        raise SystemExit(f"{checkout} {mode} failed:\n{proc.stderr[-2000:]}")
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    if not out["module"].startswith(str(checkout)):
-        raise SystemExit(f"{checkout}: imported {out['module']} instead (is it a via-edge checkout?)")
-    return out["runs"]
+class Child:
+    """One (checkout, mode) process, loaded once per round, generating each prompt it is sent."""
+
+    def __init__(self, checkout: Path, mode: str, args: argparse.Namespace) -> None:
+        arg = json.dumps({"suite": args.suite, "categories": args.categories, "prompts": args.prompts,
+                          "n": args.n, "mode": mode, "target": args.target})
+        self.name = f"{checkout} {mode}"
+        self.log = tempfile.TemporaryFile("w+")  # llama.cpp's log: a pipe nobody reads would fill and block it
+        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, arg], env=dict(os.environ, PYTHONPATH=str(checkout)),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True, cwd="/")
+        hello = self._read()
+        if not hello["module"].startswith(str(checkout)):
+            self.close()
+            raise SystemExit(f"{checkout}: imported {hello['module']} instead (is it a via-edge checkout?)")
+        self.prompts = hello["prompts"]
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.log.seek(0)
+            raise SystemExit(f"{self.name} failed:\n{self.log.read()[-2000:]}")
+        return json.loads(line)
+
+    def run(self, i: int) -> dict:
+        self.proc.stdin.write(f"{i}\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+        self.log.close()
 
 
 def main() -> None:
@@ -82,10 +109,19 @@ def main() -> None:
     jobs = [(name, mode) for mode in args.modes.split(",") for name in checkouts]
     got: dict[tuple[str, str], list[list[dict]]] = {job: [] for job in jobs}
     for r in range(args.rounds):
-        order = jobs[r % len(jobs):] + jobs[:r % len(jobs)]
-        for name, mode in order:
-            got[(name, mode)].append(run(checkouts[name], mode, args, args.target))
-            print(f"round {r + 1}: {name} {mode} done", file=sys.stderr, flush=True)
+        children: dict[tuple[str, str], Child] = {}
+        try:
+            for job in jobs:  # loaded one at a time, each then idle until named a prompt
+                children[job] = Child(checkouts[job[0]], job[1], args)
+                got[job].append([])
+            for i in range(children[jobs[0]].prompts):  # each prompt by every process in turn, order rotating
+                k = (r + i) % len(jobs)
+                for job in jobs[k:] + jobs[:k]:
+                    got[job][-1].append(children[job].run(i))
+        finally:
+            for child in children.values():
+                child.close()
+        print(f"round {r + 1} done", file=sys.stderr, flush=True)
     cats = f" ({','.join(args.categories)})" if args.categories else ""
     print(f"target {Path(args.target).name}, suite {args.suite}{cats}, {args.prompts} prompts x {args.n} tokens, "
           f"{args.rounds} rounds; base {checkouts['base']}, new {checkouts['new']}")
