@@ -9,10 +9,10 @@ process per (checkout, mode), which loads the target and warms up, then hands ev
 process in turn, the order rotating by prompt and round: only one generates at a time (two
 llama.cpp processes at once slow each other down many times on 2 cores), and a checkout's prompt
 runs seconds from the other's, not minutes, so the machine's drift over a round is shared. Whole
-processes still differ (section 53: the same decodes ran 1.01-1.14x between two processes
-alive side by side): read the spread, and `--per-prompt` for whether the work changed. Each prompt runs greedily from a
-cold cache (an agent row's earlier requests first, untimed, so its copy memory holds their answers
-as in `via-edge bench`). Reported per mode: the new checkout's tok/s over the base's, per prompt
+processes still differ (section 53: the same decodes ran 1.01-1.14x between two processes alive
+side by side): read the spread, and `--per-prompt` for whether the work changed. Each prompt runs
+greedily from a cold cache (an agent row's earlier requests first, untimed, so its copy memory
+holds their answers as in `via-edge bench`). Reported per mode: the new checkout's tok/s over the base's, per prompt
 (geomean, min-max over prompts and rounds), and each checkout's share of wall time spent outside
 llama_decode (the Python the loop adds).
 """

@@ -175,7 +175,7 @@ class Engine:
 
     def reset(self, memory: bool = True) -> None:
         """Forget every cached prompt (KV caches), so the next call pays its full prefill, what
-        the copy drafters learned and, unless `memory` is False, the copy memory."""
+        the copy drafters indexed and, unless `memory` is False, the copy memory."""
         for m in self.models.each():
             m.reset()
         self.slots.forget_copies()

@@ -150,7 +150,7 @@ class SlotPool:
         return self.scheduler.others(self.models.target) if self.scheduler is not None else 0
 
     def forget_copies(self) -> None:
-        """Drop what the copy drafters indexed and learned."""
+        """Drop what the copy drafters indexed (their policy starts each request afresh anyway)."""
         for slot in self.slots:
             slot.drafters.pop("lookup", None)
 
