@@ -7,7 +7,8 @@ from conftest import EXACT
 
 from via_edge import Engine, SpecParams
 from via_edge.decode.costs import tiled
-from via_edge.decode.drafters import MEMORY_RUN, CopyDrafter, CopyPolicy, CopySource, NgramIndex
+from via_edge.decode.drafters import MATCH_LIMIT, MEMORY_RUN, CopyDrafter, CopyPolicy, CopySource, NgramIndex
+from via_edge.decode.memory import CopyMemory
 from via_edge.decode.sampling import SamplingParams
 from via_edge.decode.spec import NGRAM_LIMIT
 from via_edge.errors import InvalidParameterError
@@ -56,7 +57,7 @@ def test_a_copy_continues_across_rounds():
     ctx += SOURCE[5:13] + [SOURCE[13]]  # all 8 accepted, and the target's own token continues the copy
     assert NgramIndex(ctx).longest_match(4)[1] == len(SOURCE) + 1 + 4  # a fresh search: the distractor
     assert propose(drafter, ctx, k=8, spec=spec) == SOURCE[14:22]
-    assert drafter.src == 14 and drafter.run == 4 + 9  # anchored on 4 tokens, then 9 copied
+    assert drafter.src == 14 and drafter.run == 5 + 9  # anchored on all 5 (past the 4-gram), then 9 copied
 
 
 def test_a_rejection_re_anchors_on_the_longest_match():
@@ -99,6 +100,45 @@ def test_another_answers_text_is_drafted_once_it_matches_past_shared_boilerplate
     in_context = CopyDrafter(free_policy())
     in_context.begin(SOURCE + question)
     assert propose(in_context, SOURCE + question + SOURCE[:4], k=4) == SOURCE[4:8]
+
+
+def test_an_anchor_counts_the_whole_match_not_just_the_indexed_ngram():
+    """The run a copy starts with is how far back the context's end matches the source (up to
+    MATCH_LIMIT), not the index's longest n-gram: the policy and the memory's MEMORY_RUN read it."""
+    long_source = list(range(1000, 1100))
+    drafter = CopyDrafter(free_policy())
+    prompt = long_source + [5]
+    assert propose(drafter, prompt + long_source[:40], k=4) == long_source[40:44]
+    assert drafter.run == 40  # the index holds 12-grams; the match is 40 tokens long
+    capped = CopyDrafter(free_policy())
+    assert propose(capped, prompt + long_source[:90], k=4) == long_source[90:94]
+    assert capped.run == MATCH_LIMIT
+
+
+def test_a_repeated_request_drafts_its_earlier_answer_from_the_first_token():
+    """A memory entry keeps its prompt's last tokens: a request that repeats that prompt (an agent
+    asking for the same file again, with a change) drafts the earlier answer from its first
+    token; one that only ends with the same instruction does not (edit requests all end "Return
+    the whole edited file ..."): its answer must match MEMORY_RUN tokens of the entry first."""
+    template = list(range(300, 320))       # a system prompt and the chat template's turn header
+    instruction = list(range(400, 460))    # "write inventory.py with methods ..., return the whole module"
+    ending = list(range(500, 520))         # the instruction's last words and the assistant header
+    answer = list(range(600, 680))
+    memory = CopyMemory(4096)
+    memory.add(answer, lead=template + instruction + ending)
+    assert memory.sources()[0].tokens[:32] == (instruction + ending)[-32:]
+
+    again = CopyDrafter(free_policy())  # the same request with a few words changed in the middle
+    asked = template + instruction[:30] + [901, 902] + instruction[32:] + ending
+    again.begin(asked, memory.sources())
+    assert propose(again, asked, k=8) == answer[:8] and again.run >= MEMORY_RUN
+
+    other = CopyDrafter(free_policy())  # another request with the same ending
+    asked = template + list(range(700, 760)) + ending
+    other.begin(asked, memory.sources())
+    assert propose(other, asked, k=8) == []
+    assert propose(other, asked + answer[:MEMORY_RUN - 1], k=8) == []
+    assert propose(other, asked + answer[:MEMORY_RUN], k=8) == answer[MEMORY_RUN:MEMORY_RUN + 8]
 
 
 def test_no_match_proposes_nothing():

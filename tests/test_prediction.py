@@ -12,7 +12,7 @@ from test_decoding import dist, fit
 
 from via_edge import Engine, SpecParams
 from via_edge.decode.drafters import CopyDrafter, CopyPolicy, CopySource
-from via_edge.decode.memory import MIN_TOKENS, CopyMemory
+from via_edge.decode.memory import LEAD, MIN_TOKENS, CopyMemory
 from via_edge.decode.sampling import SamplingParams
 from via_edge.prediction import shared_tokens
 from via_edge.errors import InvalidParameterError
@@ -98,6 +98,14 @@ def test_copy_memory_bounds_and_order():
     assert len(mem) == 2 and mem.tokens == 80
     mem.add(list(range(6000, 6300)))  # longer than the whole memory: its end is kept
     assert [s.tokens for s in mem.sources()] == [list(range(6200, 6300))]
+    led = CopyMemory(max_tokens=100)
+    led.add(list(range(7000, 7000 + MIN_TOKENS - 1)), lead=list(range(50)))  # a short answer, however long its prompt
+    assert len(led) == 0
+    led.add(a, lead=list(range(50)))  # the prompt's last LEAD tokens lead the answer, and count
+    assert led.sources()[0].tokens == list(range(50 - LEAD, 50)) + a and led.tokens == LEAD + 30
+    assert led.sources()[0].lead == LEAD
+    led.add(list(range(8000, 8090)), lead=list(range(50)))  # over the bound: the lead goes first
+    assert led.sources()[0].tokens == list(range(40, 50)) + list(range(8000, 8090)) and led.sources()[0].lead == 10
     off = CopyMemory(0)
     off.add(a)
     assert len(off) == 0

@@ -4,7 +4,8 @@ answer's next token by run length, and the speed-up over `ar` a prior would give
 section 44).
 
     .venv/bin/python tools/copy_replay.py --results edit=/tmp/bench/editA/results.json \\
-        --results spec-bench=/tmp/bench/specB1/results.json [--prior 0.2,0.45,...] [--prior-weight 1] [--context 1536]
+        --results spec-bench=/tmp/bench/specB1/results.json [--prior 0.2,0.45,...] [--prior-weight 1] [--context 1536] \\
+        [--memory [--lead 32]] [--costs /tmp/costs.json]
 
 `--results SUITE=FILE` is a `via-edge bench` results file with an `ar` run per prompt (its tokens
 are the answers). The replay runs the real `CopyDrafter` and `CopyPolicy` over each answer: a round
@@ -12,7 +13,9 @@ drafts what the policy picks, keeps the tokens that match the answer, and costs 
 of that many rows. The policy prices verifications with the target's stored batch costs (as
 `lookup` does); the replay charges what they cost at `--context` tokens, measured here first
 (every size from 1 to 80, 3 repeats, about a minute). No generation runs: a prior is judged on
-both suites in seconds, then confirmed by a real interleaved run (`tools/ab_speed.py`).
+both suites in seconds, then confirmed by a real interleaved run (`tools/ab_speed.py`). `--memory`
+replays a suite's answers in the file's order with the copy memory going on across them (each
+entry led by its prompt's last `--lead` tokens), as the bench runs a method.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ import numpy as np
 from via_edge import Engine
 from via_edge.bench.suite import load_prompts
 from via_edge.decode import costs, drafters
+from via_edge.decode import memory as copy_memory
 from via_edge.decode.drafters import CopyDrafter, CopyPolicy
+from via_edge.decode.memory import DEFAULT_TOKENS, CopyMemory
 from via_edge.decode.sampling import SamplingParams
 from via_edge.decode.spec import SpecParams
 from via_edge.weights import catalog
@@ -42,7 +47,8 @@ def answers(engine: Engine, suite: str, path: str) -> list[tuple[list[int], list
     """(prompt tokens, ar's answer tokens) of every prompt the results file ran in `ar`: the
     prompt tokenized as the engine tokenizes a generation's text."""
     prompts = {p.id: p for p in load_prompts(suite, None, 1000)}
-    return [(engine.tokens_for(prompts[r["prompt_id"]].text, chat_template=True), r["tokens"])
+    return [(engine.tokens_for(prompts[r["prompt_id"]].text, chat_template=True),
+             r["tokens"][:-1] if r["tokens"] and engine.target.is_eog(r["tokens"][-1]) else r["tokens"])
             for r in json.load(open(path))["runs"] if r["method"] == "ar" and r["prompt_id"] in prompts]
 
 
@@ -60,12 +66,13 @@ def calibration(rows) -> dict[int, tuple[int, int]]:
     return {b: tuple(v) for b, v in sorted(seen.items())}
 
 
-def replay(rows, policy_cost, true_cost) -> list[float]:
-    """Speed-up over ar per answer: tokens / single steps spent."""
+def replay(rows, policy_cost, true_cost, memory: CopyMemory | None = None) -> list[float]:
+    """Speed-up over ar per answer: tokens / single steps spent. With a `memory`, each answer
+    drafts from the answers before it and goes into it after, as in `via-edge bench`."""
     out_speed = []
     for prompt, out in rows:
         d = CopyDrafter(CopyPolicy(policy_cost))
-        d.begin(prompt)
+        d.begin(prompt, memory.sources() if memory is not None else ())
         i, steps = 0, 0.0
         while i < len(out):
             draft = d.propose(prompt + out[:i], 64, GREEDY, None, SpecParams())
@@ -77,6 +84,8 @@ def replay(rows, policy_cost, true_cost) -> list[float]:
             steps += true_cost(len(draft.tokens) + 1)
             i += kept + 1
         out_speed.append(len(out) / steps)
+        if memory is not None:
+            memory.add(out, lead=prompt)
     return out_speed
 
 
@@ -87,7 +96,13 @@ def main() -> None:
                     "each, then 8-15, 16-31, ..., 128+); default: the shipped prior")
     ap.add_argument("--prior-weight", type=float, default=None,
                     help="observed tokens each bucket's prior weighs (default: the shipped weight)")
+    ap.add_argument("--memory", action="store_true", help="replay each suite's answers in order with the copy "
+                    "memory going on across them, as `via-edge bench` runs them")
+    ap.add_argument("--lead", type=int, default=None, help="prompt tokens a memory entry keeps before its "
+                    "answer (default: the shipped LEAD)")
     ap.add_argument("--context", type=int, default=1536, help="context the replay's costs are measured at")
+    ap.add_argument("--costs", default=None, help="keep the measured costs in this JSON file and reuse them "
+                    "if it exists: replays compared on one measurement")
     ap.add_argument("--target", default=None, help="GGUF (default: the catalog's default target, shipped file)")
     args = ap.parse_args()
     results = [spec.partition("=")[::2] for spec in args.results]
@@ -106,13 +121,22 @@ def main() -> None:
         if not args.prior_weight > 0:
             ap.error(f"--prior-weight wants a positive number, got {args.prior_weight}")
         drafters.PRIOR_WEIGHT = args.prior_weight
+    if args.lead is not None:
+        if args.lead < 0:
+            ap.error(f"--lead wants a number of tokens >= 0, got {args.lead}")
+        copy_memory.LEAD = args.lead
     target = args.target or str(catalog.resolve(catalog.pair(None)["target"]))
     with Engine(target, mode="lookup", n_ctx=4096, copy_memory=0) as engine:
         policy_cost = costs.batch_cost(engine.target)
         text = (files("via_edge") / "data" / "perplexity" / "textwrap.py.txt").read_text()
         fill = engine.target.tokenize(text, add_special=False)
-        measured = costs.measure({"t": engine.target}, fill, batches=SIZES, contexts=(args.context,), repeats=3)
-        seconds = measured.table["t"][0]
+        if args.costs and os.path.isfile(args.costs):
+            seconds = json.load(open(args.costs))["seconds"]
+        else:
+            measured = costs.measure({"t": engine.target}, fill, batches=SIZES, contexts=(args.context,), repeats=3)
+            seconds = measured.table["t"][0]
+            if args.costs:
+                json.dump({"sizes": SIZES, "context": args.context, "seconds": seconds}, open(args.costs, "w"))
         print(f"verification cost at context {args.context}, single steps: "
               + ", ".join(f"{n}: {s / seconds[0]:.2f}" for n, s in zip(SIZES, seconds)))
 
@@ -125,7 +149,7 @@ def main() -> None:
         cal = calibration(rows)
         print(f"{suite}: next token copied by run bucket (kept/seen): "
               + ", ".join(f"{b}: {a}/{a + r} = {a / (a + r):.3f}" for b, (a, r) in cal.items()))
-        speed = replay(rows, policy_cost, true_cost)
+        speed = replay(rows, policy_cost, true_cost, CopyMemory(DEFAULT_TOKENS) if args.memory else None)
         geo = math.exp(sum(map(math.log, speed)) / len(speed))
         print(f"{suite}: replayed speed-up over ar, geomean {geo:.3f} (min {min(speed):.3f}, max {max(speed):.3f}, "
               f"{len(speed)} answers)")

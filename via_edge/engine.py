@@ -390,5 +390,5 @@ class Engine:
             stats.generate_seconds = time.perf_counter() - t1
             for role, scored in used:
                 setattr(stats, role, scored.seq.usage.since(before[role]))
-            settle(stats, req.prediction, out[:-1] if eog else out, self.memory)
+            settle(stats, req.prediction, prompt, out[:-1] if eog else out, self.memory)
             box.append(Result("".join(pieces), out, origins, tiers, finish, stats, req.mode, len(prompt), eog, lps))

@@ -38,10 +38,12 @@ def shared_tokens(prediction: Sequence[int], answer: Sequence[int]) -> int:
     return sum(block.size for block in matcher.get_matching_blocks())
 
 
-def settle(stats: Stats, prediction: CopySource | None, answer: Sequence[int], memory: CopyMemory) -> None:
-    """After a generation: the prediction's accepted and rejected tokens, and what the memory keeps."""
+def settle(stats: Stats, prediction: CopySource | None, prompt: Sequence[int], answer: Sequence[int],
+           memory: CopyMemory) -> None:
+    """After a generation: the prediction's accepted and rejected tokens, and what the memory keeps
+    (the answer after the end of its prompt)."""
     if prediction is not None:
         stats.prediction_accepted = shared_tokens(prediction.tokens, answer)
         stats.prediction_rejected = len(prediction.tokens) - stats.prediction_accepted
         memory.add(prediction.tokens)
-    memory.add(answer)
+    memory.add(answer, lead=prompt)

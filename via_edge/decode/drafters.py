@@ -169,7 +169,21 @@ PRIOR_WEIGHT = 2.0
 # boilerplate and then differ ("we need to follow these steps:\n\n1. Calculate the",
 # docs/benchmarks.md sections 51 and 52).
 MEMORY_RUN = 16
+REQUEST_N = 8        # requests are compared by their distinct 8-grams ...
+REQUEST_SHARED = 48  # ... and one repeats another only if it shares at least this many (see `repeats`)
+MATCH_LIMIT = 64  # an anchor's match is measured back this far at most: runs past it are as reliable
 MEMORY = 48.0  # counts per bucket are scaled down past this: the policy follows the current text
+
+
+def _matched(context: Sequence[int], source: Sequence[int], found: tuple[int, int]) -> int:
+    """How many tokens the context's end matches before `source`'s position found[1], the n-gram
+    index's found[0] tokens and further back (up to MATCH_LIMIT): an answer whose opening copies
+    a memory entry matches it from the prompt's last tokens on (docs/benchmarks.md section 55)."""
+    n, at = found
+    stop = min(MATCH_LIMIT, at, len(context))
+    while n < stop and context[len(context) - 1 - n] == source[at - 1 - n]:
+        n += 1
+    return n
 
 
 def _bucket(run: int) -> int:
@@ -240,14 +254,35 @@ class CopyPolicy:
                 c[1] = MEMORY - c[0]
 
 
+def request_grams(prompt: Sequence[int]) -> frozenset[int]:
+    """The prompt's distinct REQUEST_N-grams (hashed): what `repeats` compares two requests by."""
+    return frozenset(hash(tuple(prompt[i:i + REQUEST_N])) for i in range(len(prompt) - REQUEST_N + 1))
+
+
+def repeats(prompt: frozenset, earlier: frozenset) -> bool:
+    """Whether a request mostly repeats an earlier one (an agent asking for the same file again
+    with a change): half its n-grams and at least REQUEST_SHARED of them are the earlier's. The
+    chat template and a system prompt share about 20 (Spec-Bench's short questions share up to
+    58% with other prompts); two edit requests with the same instruction, 2-8%; an agent's
+    follow-ups, 76-100% (docs/benchmarks.md section 55)."""
+    shared = len(prompt & earlier)
+    return shared >= REQUEST_SHARED and 2 * shared >= len(prompt)
+
+
 class CopySource:
     """Tokens a copy may come from beside the context: a request's prediction (OpenAI's Predicted
     Outputs) or an entry of the engine's copy memory. Indexed once, on first use, then read only,
-    so one source serves every slot at once."""
+    so one source serves every slot at once.
 
-    def __init__(self, kind: str, tokens: Sequence[int]) -> None:
+    A memory entry starts with the last `lead` tokens of the prompt it answered, and keeps that
+    prompt's `request_grams`: a match reaching back into the lead counts only for a request that
+    `repeats` it (others share the instruction's last words, not the answer)."""
+
+    def __init__(self, kind: str, tokens: Sequence[int], lead: int = 0,
+                 request: frozenset[int] = frozenset()) -> None:
         self.kind = kind
         self.tokens = list(tokens)
+        self.lead, self.request = lead, request
         self._index: NgramIndex | None = None
 
     @property
@@ -283,6 +318,7 @@ class CopyDrafter:
         self.src: int | None = None  # the position in it the next token is expected to copy
         self.run = 0                 # tokens the current alignment has matched
         self.proven: set[int] = set()  # memory entries (id of their tokens) this answer kept a draft from
+        self.repeated: set[int] = set()  # memory entries whose request this one repeats: their leads count
         self._last: tuple[int, list[int], int] | None = None  # (run, tokens, source id) of the draft awaiting `accept`
 
     def begin(self, prompt: Sequence[int], sources: Sequence[CopySource] = ()) -> None:
@@ -292,6 +328,9 @@ class CopyDrafter:
         self.policy.reset()
         self.sources = list(sources)
         self.proven = set()
+        led = [s for s in self.sources if s.lead]
+        mine = request_grams(prompt) if led else frozenset()
+        self.repeated = {id(s.tokens) for s in led if repeats(mine, s.request)}
         if common_prefix(self.index.tokens, prompt) < len(self.index.tokens):
             self.index = NgramIndex()
         if self.at is None or self.at[1] is not self.index.tokens:  # a source of another request
@@ -334,11 +373,16 @@ class CopyDrafter:
         best, in_context = self.run, self.at is None or self.at[0] == "context"
         for source in self.sources:
             found = source.index.find(keys)
-            if found is not None and (found[0] > best or (found[0] == best and in_context)):
-                best, self.at, self.src, in_context = found[0], (source.kind, source.tokens), found[1], False
+            if found is not None:
+                n = _matched(toks, source.tokens, found)
+                if source.lead and id(source.tokens) not in self.repeated:
+                    n = min(n, found[1] - source.lead)  # the answer's part of the match only
+                if n > 0 and (n > best or (n == best and in_context)):
+                    best, self.at, self.src, in_context = n, (source.kind, source.tokens), found[1], False
         found = self.index.find(keys)  # the context's own end is not in its index: an earlier occurrence
-        if found is not None and found[0] > best:
-            best, self.at, self.src = found[0], ("context", toks), found[1]
+        n = _matched(toks, toks, found) if found is not None else 0
+        if n > best:
+            best, self.at, self.src = n, ("context", toks), found[1]
         if self.start is not None:  # the context ends with the prediction's beginning: the answer meets it
             # a match there is cut by the prediction's start, not by a mismatch: it counts one more
             n = next((n for n in range(min(spec.ngram_max, len(self.start), len(toks)), 0, -1)

@@ -13,11 +13,12 @@ import threading
 from typing import Sequence
 
 from ..errors import InvalidParameterError
-from .drafters import CopySource
+from .drafters import CopySource, request_grams
 
 DEFAULT_TOKENS = 8192  # Engine's and the CLI's default (docs/benchmarks.md: measured before it was turned on)
 MAX_ENTRIES = 16   # entries kept at most, whatever their length
 MIN_TOKENS = 16    # shorter answers are not worth an entry: a copy that short rarely pays
+LEAD = 32          # prompt tokens kept before an answer (docs/benchmarks.md section 55)
 
 
 class CopyMemory:
@@ -40,15 +41,22 @@ class CopyMemory:
         with self._lock:
             return list(self._entries)
 
-    def add(self, tokens: Sequence[int]) -> None:
+    def add(self, tokens: Sequence[int], lead: Sequence[int] = ()) -> None:
         """Keep `tokens` as the newest entry (an equal one moves to the front), then drop the
-        oldest until both bounds hold. Text longer than the whole memory keeps its end."""
-        tokens = list(tokens)[-self.max_tokens:] if self.max_tokens else []
-        if len(tokens) < MIN_TOKENS:
+        oldest until both bounds hold. Text longer than the whole memory keeps its end.
+
+        `lead` is the prompt the tokens answered: its last LEAD tokens go in front of them, so an
+        answer to a request that repeats this one (an agent asking for the same file again with a
+        change) is drafted from its first token, not after MEMORY_RUN tokens of its own."""
+        if len(tokens) < MIN_TOKENS or not self.max_tokens:
             return
+        answer = list(tokens)
+        tokens = (list(lead)[max(0, len(lead) - LEAD):] + answer)[-self.max_tokens:]
+        n_lead = max(0, len(tokens) - len(answer))
+        entry = CopySource("memory", tokens, n_lead, request_grams(lead) if n_lead else frozenset())
         with self._lock:
             self._entries = [e for e in self._entries if e.tokens != tokens]
-            self._entries.insert(0, CopySource("memory", tokens))
+            self._entries.insert(0, entry)
             total = sum(len(e.tokens) for e in self._entries)
             while len(self._entries) > self.max_entries or total > self.max_tokens:
                 total -= len(self._entries.pop().tokens)
