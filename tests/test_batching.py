@@ -9,7 +9,7 @@ from make_tiny_gguf import make_tiny_gguf
 
 from via_edge import Engine
 from via_edge.batching import BatchedSeq, Scheduler
-from via_edge.decode.drafters import CopyPolicy
+from via_edge.decode.copying import CopyPolicy
 from via_edge.errors import ContextOverflowError, InvalidParameterError
 from via_edge.llama import LlamaModel, LoadParams
 

@@ -7,7 +7,8 @@ from conftest import EXACT
 
 from via_edge import Engine, SpecParams
 from via_edge.decode.costs import tiled
-from via_edge.decode.drafters import MATCH_LIMIT, MEMORY_RUN, CopyDrafter, CopyPolicy, CopySource, NgramIndex
+from via_edge.decode.copying import MATCH_LIMIT, MEMORY_RUN, CopyDrafter, CopyPolicy
+from via_edge.decode.sources import CopySource, NgramIndex
 from via_edge.decode.memory import CopyMemory
 from via_edge.decode.sampling import SamplingParams
 from via_edge.decode.spec import NGRAM_LIMIT

@@ -11,7 +11,8 @@ from conftest import EXACT
 from test_decoding import dist, fit
 
 from via_edge import Engine, SpecParams
-from via_edge.decode.drafters import CopyDrafter, CopyPolicy, CopySource
+from via_edge.decode.copying import CopyDrafter, CopyPolicy
+from via_edge.decode.sources import CopySource
 from via_edge.decode.memory import LEAD, MIN_TOKENS, CopyMemory
 from via_edge.decode.sampling import SamplingParams
 from via_edge.prediction import shared_tokens

@@ -14,7 +14,7 @@ from conftest import EXACT, make_tiny_gguf
 
 from via_edge import Engine, SpecParams
 from via_edge.decode.costs import CostProfile, measure
-from via_edge.decode.drafters import CopyDrafter, CopyPolicy
+from via_edge.decode.copying import CopyDrafter, CopyPolicy
 from via_edge.decode.scores import LogitRows
 from via_edge.llama import LlamaModel, LoadParams
 from via_edge.tune.choose import best_per_mode, choose, frontier, grid, predict

@@ -31,9 +31,9 @@ import numpy as np
 
 from via_edge import Engine
 from via_edge.bench.suite import load_prompts
-from via_edge.decode import costs, drafters
+from via_edge.decode import copying, costs
 from via_edge.decode import memory as copy_memory
-from via_edge.decode.drafters import CopyDrafter, CopyPolicy
+from via_edge.decode.copying import CopyDrafter, CopyPolicy
 from via_edge.decode.memory import DEFAULT_TOKENS, CopyMemory
 from via_edge.decode.sampling import SamplingParams
 from via_edge.decode.spec import SpecParams
@@ -61,7 +61,7 @@ def calibration(rows) -> dict[int, tuple[int, int]]:
         for i, tok in enumerate(out):
             draft = d.propose(prompt + out[:i], 1, GREEDY, None, SpecParams())
             if draft.tokens:
-                seen[drafters._bucket(d.run)][draft.tokens[0] != tok] += 1
+                seen[copying._bucket(d.run)][draft.tokens[0] != tok] += 1
                 d.accept(int(draft.tokens[0] == tok))
     return {b: tuple(v) for b, v in sorted(seen.items())}
 
@@ -114,13 +114,13 @@ def main() -> None:
             ps = [float(x) for x in args.prior.split(",")]
         except ValueError:
             ap.error(f"--prior wants comma-separated numbers, got {args.prior!r}")
-        if len(ps) != len(drafters.PRIOR) or not all(0 < p < 1 for p in ps):
-            ap.error(f"--prior wants {len(drafters.PRIOR)} probabilities in (0, 1), one per run bucket")
-        drafters.PRIOR = tuple(ps)
+        if len(ps) != len(copying.PRIOR) or not all(0 < p < 1 for p in ps):
+            ap.error(f"--prior wants {len(copying.PRIOR)} probabilities in (0, 1), one per run bucket")
+        copying.PRIOR = tuple(ps)
     if args.prior_weight is not None:
         if not args.prior_weight > 0:
             ap.error(f"--prior-weight wants a positive number, got {args.prior_weight}")
-        drafters.PRIOR_WEIGHT = args.prior_weight
+        copying.PRIOR_WEIGHT = args.prior_weight
     if args.lead is not None:
         if args.lead < 0:
             ap.error(f"--lead wants a number of tokens >= 0, got {args.lead}")
@@ -143,8 +143,8 @@ def main() -> None:
         def true_cost(n: int) -> float:
             return float(np.interp(n, SIZES, seconds)) / seconds[0]
         suites = {suite: answers(engine, suite, path) for suite, path in results}
-    print("prior acceptance per run bucket:", ", ".join(f"{p:.2f}" for p in drafters.PRIOR),
-          f"(each weighing {drafters.PRIOR_WEIGHT:g} observed tokens)")
+    print("prior acceptance per run bucket:", ", ".join(f"{p:.2f}" for p in copying.PRIOR),
+          f"(each weighing {copying.PRIOR_WEIGHT:g} observed tokens)")
     for suite, rows in suites.items():
         cal = calibration(rows)
         print(f"{suite}: next token copied by run bucket (kept/seen): "

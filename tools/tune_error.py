@@ -29,7 +29,7 @@ from pathlib import Path
 from via_edge import Engine
 from via_edge.bench.metrics import geomean
 from via_edge.decode.costs import CostProfile
-from via_edge.decode.drafters import CopyDrafter, CopyPolicy
+from via_edge.decode.copying import CopyDrafter, CopyPolicy
 from via_edge.decode.spec import SpecParams
 from via_edge.tune.record import calibration_prompts, record, slim_traces
 from via_edge.tune.replay import replay

@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from .decode.constraints import Constraint, LogitRules, grammar_text
-from .decode.drafters import CopySource
 from .decode.loop import Decoder
 from .decode.memory import DEFAULT_TOKENS, CopyMemory
 from .decode.modes import DEFAULT_MODE, TARGET, check_logprobs, mode_info
 from .decode.sampling import SamplingParams
 from .decode.scores import TokenLogprobs
+from .decode.sources import CopySource
 from .decode.spec import SpecParams
 from .decode.stats import Stats
 from .decode.text import StopMatcher, StreamDecoder

@@ -7,7 +7,7 @@ from __future__ import annotations
 import difflib
 from typing import Sequence
 
-from .decode.drafters import CopySource
+from .decode.sources import CopySource
 from .decode.memory import CopyMemory
 from .decode.stats import Stats
 from .errors import InvalidParameterError

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence, TypeVar
 
 from .batching import BatchedSeq, Scheduler
-from .decode.drafters import CopyDrafter, CopyFirst, CopyPolicy, Drafter, ModelDrafter
+from .decode.copying import CopyDrafter, CopyFirst, CopyPolicy
+from .decode.drafters import Drafter, ModelDrafter
 from .decode.modes import mode_info
 from .decode.scores import ScoredModel
 from .llama import common_prefix

@@ -154,7 +154,7 @@ def measure(models: Mapping[str, LlamaModel], fill: Sequence[int], *, batches: S
 
 def verify_cost(cost: Cost, ctx: int) -> Callable[[int], float]:
     """A target verification of n tokens in single decoding steps (1 at n = 1), at context `ctx`:
-    the price `drafters.CopyPolicy` weighs draft lengths against."""
+    the price `copying.CopyPolicy` weighs draft lengths against."""
     return lambda n: cost("target", n, ctx) / cost("target", 1, ctx)
 
 

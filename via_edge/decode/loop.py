@@ -25,10 +25,11 @@ import numpy as np
 from ..errors import InvalidParameterError
 from ..llama import common_prefix
 from .constraints import Constraint
-from .drafters import CopySource, Draft, Drafter
+from .drafters import Draft, Drafter
 from .modes import COPY, DRAFT, SLIM, TARGET, Origin, Tier, mode_info
 from .sampling import Dist, SamplingParams
 from .scores import Rows, Scorer, TokenLogprobs
+from .sources import CopySource
 from .spec import SpecParams
 from .stats import Stats
 

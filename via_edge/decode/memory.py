@@ -13,7 +13,7 @@ import threading
 from typing import Sequence
 
 from ..errors import InvalidParameterError
-from .drafters import CopySource, request_grams
+from .sources import CopySource, request_grams
 
 DEFAULT_TOKENS = 8192  # Engine's and the CLI's default (docs/benchmarks.md: measured before it was turned on)
 MAX_ENTRIES = 16   # entries kept at most, whatever their length

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from ..bench.metrics import geomean
-from ..decode.drafters import CopyDrafter
+from ..decode.copying import CopyDrafter
 from ..decode.modes import LOSSLESS
 from ..decode.spec import SpecParams
 from .record import SlimTrace, Trace

@@ -28,7 +28,8 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from ..decode.costs import Cost, verify_cost
-from ..decode.drafters import CopyDrafter, CopyPolicy, ModelDrafter
+from ..decode.copying import CopyDrafter, CopyPolicy
+from ..decode.drafters import ModelDrafter
 from ..decode.loop import Decoder
 from ..decode.modes import Origin, Tier, mode_info
 from ..decode.sampling import SamplingParams
