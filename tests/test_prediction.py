@@ -12,11 +12,12 @@ from test_decoding import dist, fit
 
 from via_edge import Engine, SpecParams
 from via_edge.decode.copying import CopyDrafter, CopyPolicy
-from via_edge.decode.sources import CopySource
 from via_edge.decode.memory import LEAD, MIN_TOKENS, CopyMemory
+from via_edge.decode.modes import COPY
 from via_edge.decode.sampling import SamplingParams
-from via_edge.prediction import shared_tokens
+from via_edge.decode.sources import CopySource
 from via_edge.errors import InvalidParameterError
+from via_edge.prediction import shared_tokens
 
 GREEDY = SamplingParams()
 SOURCE = list(range(100, 160))
@@ -186,6 +187,25 @@ def test_sampled_sd_with_a_prediction_follows_the_target(tiny):
     point = np.zeros_like(p)
     point[copy] = 1.0
     assert fit(0.5 * p + 0.5 * point, counts) < 0.001
+
+
+def test_a_repeated_request_is_drafted_from_the_memory_from_its_first_token(tiny_target):
+    """The engine keeps each answer after its prompt's end: asked again with a word changed, the
+    earlier answer is drafted from the first token; an unrelated request is not drafted from it
+    until its own answer matches 16 tokens of it."""
+    words = " ".join(f"w{i}" for i in range(60))
+    with Engine(tiny_target, copy_memory=4096, **EXACT) as engine:
+        engine.prepare("lookup")
+        engine.models.batch_cost = lambda n: 1.0
+        engine.generate(f"list: {words} end", mode="ar", max_tokens=40, chat_template=False)
+        again = engine.generate(f"list: {words.replace('w30', 'x30')} end", mode="lookup", max_tokens=40,
+                                chat_template=False)
+        assert again.origins[0] == COPY and again.stats.memory_draft_n_accepted > 0
+        plain = engine.generate(f"list: {words.replace('w30', 'x30')} end", mode="ar", max_tokens=40,
+                                chat_template=False)
+        assert again.tokens == plain.tokens  # drafted from another answer, still the target's own
+        other = engine.generate("a different request", mode="lookup", max_tokens=40, chat_template=False)
+        assert other.origins[0] != COPY
 
 
 def test_the_copy_memory_drafts_an_answer_given_before_and_changes_nothing(tiny_target):
