@@ -44,7 +44,8 @@ PRIOR_WEIGHT = 2.0
 # A memory entry this answer has kept no draft from yet must match this many tokens first, unless
 # the request's own text holds the same match: answers to other requests share up to 12 tokens of
 # boilerplate and then differ ("we need to follow these steps:\n\n1. Calculate the",
-# docs/benchmarks.md sections 51 and 52).
+# docs/benchmarks.md sections 51 and 52). For a request that repeats the entry's request the
+# match counts from the entry's lead, the end of that request's prompt (section 55).
 MEMORY_RUN = 16
 MATCH_LIMIT = 64  # an anchor's match is measured back this far at most: runs past it are as reliable
 MEMORY = 48.0  # counts per bucket are scaled down past this: the policy follows the current text
