@@ -28,6 +28,7 @@ import math
 import os
 from collections import defaultdict
 from importlib.resources import files
+from pathlib import Path
 
 import numpy as np
 
@@ -39,6 +40,7 @@ from via_edge.decode.copying import CopyDrafter, CopyPolicy
 from via_edge.decode.memory import DEFAULT_TOKENS, CopyMemory
 from via_edge.decode.sampling import SamplingParams
 from via_edge.decode.spec import SpecParams
+from via_edge.files import write_json
 from via_edge.weights import catalog
 
 GREEDY = SamplingParams()
@@ -148,13 +150,21 @@ def main() -> None:
         policy_cost = costs.batch_cost(engine.target)
         text = (files("via_edge") / "data" / "perplexity" / "textwrap.py.txt").read_text()
         fill = engine.target.tokenize(text, add_special=False)
+        kept = {"target": os.path.basename(target), "context": args.context, "sizes": list(SIZES)}
         if args.costs and os.path.isfile(args.costs):
-            seconds = json.load(open(args.costs))["seconds"]
+            try:
+                stored = json.load(open(args.costs))
+                seconds = stored["seconds"]
+            except (OSError, ValueError, KeyError) as exc:
+                ap.error(f"--costs {args.costs} is unreadable ({exc}); delete it to measure again")
+            if {k: stored.get(k) for k in kept} != kept:
+                ap.error(f"--costs {args.costs} was measured for {stored.get('target')} at context "
+                         f"{stored.get('context')}, not {kept['target']} at {args.context}; give another file")
         else:
             measured = costs.measure({"t": engine.target}, fill, batches=SIZES, contexts=(args.context,), repeats=3)
             seconds = measured.table["t"][0]
             if args.costs:
-                json.dump({"sizes": SIZES, "context": args.context, "seconds": seconds}, open(args.costs, "w"))
+                write_json(Path(args.costs), {**kept, "seconds": seconds})
         print(f"verification cost at context {args.context}, single steps: "
               + ", ".join(f"{n}: {s / seconds[0]:.2f}" for n, s in zip(SIZES, seconds)))
 
