@@ -49,8 +49,10 @@ def test_edit_suite_is_real_code_with_one_instruction_each():
     assert "s1.st_ino == s2.st_dev" in bugs["Lib/genericpath.py"]  # the seeded bug is there to fix
     for r in edits:  # the prediction is the file as the prompt shows it, as an editor sends it
         assert r["prompt"].split("```python\n", 1)[1].split("```\n", 1)[0] == r["prediction"]
-    agent = [p for p in load_prompts("edit", ["agent"], 5)]
-    assert [len(p.earlier) for p in agent] == [1, 2] and agent[1].earlier[0] == agent[0].earlier[0]
+    agent = load_prompts("edit", ["agent"], 100)  # four sequences: two follow-ups each
+    assert [len(p.earlier) for p in agent] == [1, 2] * 4
+    assert all(b.earlier == a.earlier + (a.text,) for a, b in zip(agent[::2], agent[1::2]))
+    assert len({p.earlier[0] for p in agent}) == 4
     assert all("```python\n" not in p.text for p in agent)  # follow-ups do not send the module
 
 
@@ -97,8 +99,8 @@ def test_load_requests_take_the_categories_in_turn_and_every_prompt_before_repea
     cats = [p.category for p in load_prompts("spec-bench", None, 1)]
     assert [p.category for p in spec[:13]] == cats and [p.category for p in spec[13:]] == cats[:3]
     assert len({p.text for p in spec}) == 16
-    edit = prompts_in_turn("edit", None, 16)  # 12 edit prompts, one edit-chat, two agent: short categories
-    assert len({p.text for p in edit[:15]}) == 15 and edit[15:] == edit[:1]
+    edit = prompts_in_turn("edit", None, 22)  # 12 edit prompts, one edit-chat, eight agent: short categories
+    assert len({p.text for p in edit[:21]}) == 21 and edit[21:] == edit[:1]
 
 
 @pytest.mark.parametrize("args,match", [

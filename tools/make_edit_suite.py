@@ -8,8 +8,8 @@ and the request for the whole edited file, as aider's whole-file format and Cont
 for it. A seeded bug is a one-line change made here and described by its symptom. Each edit row
 carries the file as `prediction`, as editors send it with OpenAI's Predicted Outputs (bench's
 `<mode>:predicted`). Then a two-turn chat: turn 2 asks to change the code the model wrote in
-turn 1 (bench runs the first turn's answer greedily, then times the second). Last, an agent's
-sequence (category `agent`): a module written in one request, then two follow-up requests that
+turn 1 (bench runs the first turn's answer greedily, then times the second). Last, four agent
+sequences (category `agent`): a module written in one request, then two follow-up requests that
 ask for it again with changes without sending it or the history (rows of `requests`: bench runs
 the earlier ones untimed on the same method, then times the last).
 
@@ -71,16 +71,48 @@ CHAT = {
 }
 
 
-MODULE = ("a Python module `inventory.py`: a dataclass `Item` (name, quantity, price) and a class "
-          "`Inventory` keeping items by name, with methods `add(item)`, `remove(name)`, `total_value()` and "
-          "`low_stock(threshold)`, each with a docstring")
 WHOLE = "Return the whole module in a single ```python code block, with no explanation."
-AGENT = [
-    f"Write {MODULE}. {WHOLE}",
-    f"Write {MODULE} again, the same as before, but with type hints on every method. {WHOLE}",
-    f"Write {MODULE} again, the same as before with type hints on every method, and add a method "
-    f"`restock(name, amount)` that raises KeyError for an unknown name. {WHOLE}",
+# An agent's sequences: (module, first change, both changes). Each first request writes the module,
+# the follow-ups ask for it again with changes, without sending it or the history.
+AGENTS = [
+    ("a Python module `inventory.py`: a dataclass `Item` (name, quantity, price) and a class "
+     "`Inventory` keeping items by name, with methods `add(item)`, `remove(name)`, `total_value()` and "
+     "`low_stock(threshold)`, each with a docstring",
+     "but with type hints on every method",
+     "with type hints on every method, and add a method `restock(name, amount)` that raises KeyError "
+     "for an unknown name"),
+    ("a Python module `expr.py`: a function `tokenize(text)` that splits an arithmetic expression into "
+     "numbers, the operators + - * / and parentheses with a regular expression, raising ValueError on "
+     "any other character, and a function `evaluate(text)` that computes its value with the "
+     "shunting-yard algorithm, each with a docstring",
+     "but with `evaluate` renamed to `calculate` everywhere",
+     "with `evaluate` renamed to `calculate`, and support the power operator `^`, right-associative "
+     "and binding tighter than * and /"),
+    ("a Python module `shapes.py`: an abstract base class `Shape` with abstract methods `area()` and "
+     "`perimeter()`, and subclasses `Circle(radius)`, `Rectangle(width, height)` and `Triangle(a, b, c)` "
+     "(Heron's formula for the area), each class and method with a docstring",
+     "but with a `__repr__` method on every class",
+     "with a `__repr__` method on every class, and add a function `largest(shapes)` returning the "
+     "shape with the largest area"),
+    ("a Python module `bank.py`: a class `Account(owner, balance=0)` with methods `deposit(amount)`, "
+     "`withdraw(amount)` and `transfer(other, amount)`, raising ValueError for a non-positive amount or "
+     "insufficient funds, and keeping a list of transactions, each method with a docstring",
+     "but logging every transaction with the logging module",
+     "logging every transaction with the logging module, and add a method `statement()` that returns "
+     "the transactions as lines of text"),
 ]
+
+
+def agent_rows() -> list[dict]:
+    """Rows agent-1, agent-2 for the first sequence, agent-3, agent-4 for the next, ...: the first
+    follow-up, then the second (each row's earlier requests are run before it, untimed)."""
+    rows = []
+    for i, (module, first, both) in enumerate(AGENTS):
+        requests = [f"Write {module}. {WHOLE}",
+                    f"Write {module} again, the same as before, {first}. {WHOLE}",
+                    f"Write {module} again, the same as before {both}. {WHOLE}"]
+        rows += [{"id": f"agent-{2 * i + n}", "category": "agent", "requests": requests[:n + 1]} for n in (1, 2)]
+    return rows
 
 
 def main() -> None:
@@ -98,7 +130,7 @@ def main() -> None:
         rows.append({"id": f"edit-{i}", "category": "edit", "kind": kind, "source": f"Lib/{module}",
                      "lines": lines, "prompt": prompt, "prediction": source})
     rows.append(CHAT)
-    rows += [{"id": f"agent-{n}", "category": "agent", "requests": AGENT[:n + 1]} for n in (1, 2)]
+    rows += agent_rows()
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"{OUT}: {len(rows)} prompts")
