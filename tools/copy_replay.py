@@ -12,12 +12,14 @@ are the answers). The replay runs the real `CopyDrafter` and `CopyPolicy` over e
 drafts what the policy picks, keeps the tokens that match the answer, and costs one verification
 of that many rows. The policy prices verifications with the target's stored batch costs (as
 `lookup` does); the replay charges what they cost at `--context` tokens, measured here first
-(every size from 1 to 80, 3 repeats, about a minute). No generation runs: a prior is judged on
-both suites in seconds, then confirmed by a real interleaved run (`tools/ab_speed.py`). `--memory`
-replays a suite's answers in the file's order with the copy memory going on across them (each
-entry led by its prompt's last `--lead` tokens), as the bench runs a method. `--shifts 16` judges
-a prior in expectation over where the drafts meet a copy's breaks (section 58): on one placement,
-priors that tie in expectation differed by 6%.
+(every size from 1 to 80, 3 repeats, about a minute). Nothing else runs the model (but an agent
+row's earlier requests, below): a prior is judged on both suites in seconds, then confirmed by a
+real interleaved run (`tools/ab_speed.py`). `--memory` replays a suite's answers in the file's
+order with the copy memory going on across them (each entry led by its prompt's last `--lead`
+tokens), as the bench runs a method; an agent row's earlier requests are answered here with `ar`
+first and go into the memory before it. `--shifts 16` judges a prior in expectation over where
+the drafts meet a copy's breaks (section 58): on one placement, priors that tie in expectation
+differed by 6%.
 """
 
 from __future__ import annotations
@@ -47,19 +49,36 @@ GREEDY = SamplingParams()
 SIZES = (1, 2, 4, 8, 16, 24, 32, 33, 40, 47, 48, 49, 56, 63, 64, 65, 72, 80)
 
 
-def answers(engine: Engine, suite: str, path: str) -> list[tuple[list[int], list[int]]]:
-    """(prompt tokens, ar's answer tokens) of every prompt the results file ran in `ar`: the
-    prompt tokenized as the engine tokenizes a generation's text."""
+def answers(engine: Engine, suite: str, path: str, agents: bool) -> list[tuple[list[int], list[int], list]]:
+    """(prompt tokens, ar's answer tokens, earlier requests) of every prompt the results file ran
+    in `ar`: the prompt tokenized as the engine tokenizes a generation's text. With `agents`, an
+    agent row's earlier requests come as (prompt tokens, answer tokens) pairs, their answers
+    generated here with `ar` as the bench generates them before the row (untimed, so the file
+    does not hold them; each about 10 s)."""
+    data = json.load(open(path))
     prompts = {p.id: p for p in load_prompts(suite, None, 1000)}
-    return [(engine.tokens_for(prompts[r["prompt_id"]].text, chat_template=True),
-             r["tokens"][:-1] if r["tokens"] and engine.target.is_eog(r["tokens"][-1]) else r["tokens"])
-            for r in json.load(open(path))["runs"] if r["method"] == "ar" and r["prompt_id"] in prompts]
+    made: dict[str, tuple[list[int], list[int]]] = {}
+
+    def earlier(text: str) -> tuple[list[int], list[int]]:
+        if text not in made:
+            tokens = engine.tokens_for(text, chat_template=True)
+            made[text] = (tokens, _answer(engine, engine.generate(tokens, mode="ar",
+                                                                  max_tokens=data["meta"]["params"]["max_tokens"]).tokens))
+        return made[text]
+    return [(engine.tokens_for(prompts[r["prompt_id"]].text, chat_template=True), _answer(engine, r["tokens"]),
+             [earlier(text) for text in prompts[r["prompt_id"]].earlier] if agents else [])
+            for r in data["runs"] if r["method"] == "ar" and r["prompt_id"] in prompts]
+
+
+def _answer(engine: Engine, tokens: list[int]) -> list[int]:
+    """Without its end-of-generation token: the answer the next request may copy."""
+    return tokens[:-1] if tokens and engine.target.is_eog(tokens[-1]) else tokens
 
 
 def calibration(rows) -> dict[int, tuple[int, int]]:
     """Per run bucket: (copies whose next token was the answer's, copies whose was not)."""
     seen = defaultdict(lambda: [0, 0])
-    for prompt, out in rows:
+    for prompt, out, _ in rows:
         d = CopyDrafter(CopyPolicy(lambda n: 1.0))  # drafts wherever a copy is aligned
         d.begin(prompt)
         for i, tok in enumerate(out):
@@ -75,9 +94,13 @@ def replay(rows, policy_cost, true_cost, memory: CopyMemory | None = None, shift
     drafts from the answers before it and goes into it after, as in `via-edge bench`. With
     `shifts` > 1, the mean over that many replays whose first draft is put off by 0, 2, 4, ...
     tokens: where a copy breaks relative to the drafts is luck, and a prior judged on one
-    placement can win by it (docs/benchmarks.md section 58)."""
+    placement can win by it (docs/benchmarks.md section 58). An agent row's earlier requests go
+    into the memory before it, as the bench runs them."""
     out_speed = []
-    for prompt, out in rows:
+    for prompt, out, earlier in rows:
+        if memory is not None:
+            for before, answer in earlier:
+                memory.add(answer, lead=before)
         speeds = [_one(prompt, out, policy_cost, true_cost, memory, 2 * s) for s in range(shifts)]
         out_speed.append(sum(speeds) / len(speeds))
         if memory is not None:
@@ -170,7 +193,7 @@ def main() -> None:
 
         def true_cost(n: int) -> float:
             return float(np.interp(n, SIZES, seconds)) / seconds[0]
-        suites = {suite: answers(engine, suite, path) for suite, path in results}
+        suites = {suite: answers(engine, suite, path, args.memory) for suite, path in results}
     print("prior acceptance per run bucket:", ", ".join(f"{p:.2f}" for p in copying.PRIOR),
           f"(each weighing {copying.PRIOR_WEIGHT:g} observed tokens)")
     for suite, rows in suites.items():
