@@ -296,6 +296,17 @@ def test_an_interrupted_bench_keeps_the_prompts_it_finished(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_server_answer_ends_with_one_end_of_generation_token_whether_listed_or_not():
+    """llama-server lists Qwen2.5's <|im_end|> in `tokens` when it stops on it (and not every
+    model's end token): the answer compared with via-edge's must end with it once, not twice."""
+    from via_edge.bench.peers import server_tokens
+
+    eos, is_eog = 2, (lambda t: t in (2, 7))
+    assert server_tokens({"tokens": [5, 6, 7], "stop_type": "eos"}, eos, is_eog) == [5, 6, 7]
+    assert server_tokens({"tokens": [5, 6], "stop_type": "eos"}, eos, is_eog) == [5, 6, 2]
+    assert server_tokens({"tokens": [5, 6], "stop_type": "limit"}, eos, is_eog) == [5, 6]
+
+
 def test_llama_server_peers_run_on_the_same_prompts_and_weights(tmp_path):
     """llama.cpp's own server, plain and with --spec-default, beside via-edge's ar in one bench
     run: both answer every prompt greedily, their speeds are their own timings, and the report

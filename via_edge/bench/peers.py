@@ -5,7 +5,8 @@ ngram-mod) and with `--spec-type ngram-simple`.
 Measured on the same prompt tokens, greedy, same context and threads. `Llama.generate` yields
 token ids, so fidelity is computed on tokens as for via-edge's modes. Its prefill cannot be timed
 apart from the first decode, so `prefill_s` is the time to the first token and the generation
-rate counts the tokens after it.
+rate is every token over the time after it, as via-edge counts its own (the first token comes
+with the prompt in both).
 
 A peer runs in this process (the llama.cpp build via-edge uses) or, given another environment's
 Python (`peer_python`), in a child process there: how via-edge on the AMX build is compared with
@@ -16,8 +17,11 @@ process runs on via-edge's llama.cpp compute thread: a second OpenMP team would 
 `llama-server` is the binary `tools/build_llama_server.sh` builds from the same vendored llama.cpp,
 flags and patch as the installed flavor (or `VIA_EDGE_LLAMA_SERVER`). It runs as a process of its
 own on loopback for the whole benchmark, one slot, no prompt cache across requests; its decode
-speed is the server's own `timings` (`predicted_per_second`), the generation rate after the
-first token, as llama-server users read it.
+speed comes from the server's own `timings`: every generated token over the time from the first
+to the last (`predicted_n / predicted_ms`), as via-edge's `tokens_per_second` counts them. The
+server's `predicted_per_second` leaves the first token out of the count (it comes with the prompt)
+over the same span, which made a peer look n/(n-1) slower than via-edge for the same decodes
+(docs/benchmarks.md section 59).
 """
 
 from __future__ import annotations
@@ -98,6 +102,16 @@ class Peer:
             self._proc.wait(timeout=60)
 
 
+def server_tokens(out: dict, eos: int, is_eog: Callable[[int], bool]) -> list[int]:
+    """The answer's tokens from a `/completion` response, ending with the end-of-generation token
+    when it stopped on one, as via-edge's answers do: the server lists it in `tokens` for some
+    models (Qwen2.5's `<|im_end|>`) and not for others."""
+    got = list(out["tokens"])
+    if out.get("stop_type") == "eos" and not (got and is_eog(got[-1])):
+        got.append(eos)
+    return got
+
+
 class ServerPeer:
     """llama.cpp's llama-server on the same GGUF, greedy, one request at a time."""
 
@@ -135,12 +149,13 @@ class ServerPeer:
                                      {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=600) as r:
             out = json.loads(r.read())
-        got = list(out["tokens"])
-        if out.get("stop_type") == "eos":  # it stops on the end-of-generation token and leaves it out
-            got.append(self.eos)
+        got = server_tokens(out, self.eos, is_eog)
         t = out["timings"]
+        # predicted_per_second is (predicted_n - 1) / predicted_ms (the first token comes with the
+        # prompt); via-edge counts every generated token over the same span, and so does this
         return {"tokens": got, "prefill_s": t["prompt_ms"] / 1e3, "gen_s": t["predicted_ms"] / 1e3,
-                "tok_s": t["predicted_per_second"], "draft_n": t.get("draft_n", 0),
+                "tok_s": t["predicted_n"] / (t["predicted_ms"] / 1e3) if t["predicted_ms"] > 0 else 0.0,
+                "draft_n": t.get("draft_n", 0),
                 "draft_n_accepted": t.get("draft_n_accepted", 0)}
 
     def close(self) -> None:
