@@ -27,14 +27,18 @@ CHAT_TEMPERATURE = 0.2  # its create_chat_completion's default
 
 
 def timings(result: Result, digits: int = 3) -> dict:
-    """llama-server's `timings` object, with the speculative counters and tier counts."""
+    """llama-server's `timings` object, with the speculative counters and tier counts. Its
+    `predicted_per_second` counts as llama-server's does, the tokens after the first over the
+    span from the first to the last (the first comes with the prompt), so the two servers' figures
+    compare alike; `tokens_per_second` elsewhere counts every token (docs/benchmarks.md section 59)."""
     s = result.stats
+    steps = max(s.generated_tokens - 1, 0)
     return {
         "queued_ms": round(s.queue_seconds * 1e3, digits),
         "cache_n": s.cache_tokens, "prompt_n": s.prompt_tokens, "prompt_ms": round(s.prefill_seconds * 1e3, digits),
         "prompt_per_second": round(s.prompt_tokens_per_second, digits),
         "predicted_n": s.generated_tokens, "predicted_ms": round(s.generate_seconds * 1e3, digits),
-        "predicted_per_second": round(s.tokens_per_second, digits),
+        "predicted_per_second": round(steps / s.generate_seconds if s.generate_seconds else 0.0, digits),
         "draft_n": s.draft_n, "draft_n_accepted": s.draft_n_accepted, "copied_n": s.copied_tokens,
         "prediction_draft_n": s.prediction_draft_n, "prediction_draft_n_accepted": s.prediction_draft_n_accepted,
         "memory_draft_n": s.memory_draft_n, "memory_draft_n_accepted": s.memory_draft_n_accepted,
