@@ -295,7 +295,6 @@ def test_an_interrupted_bench_keeps_the_prompts_it_finished(tmp_path):
     assert not (out / "results.json").exists()
 
 
-@pytest.mark.slow
 def test_a_server_answer_ends_with_one_end_of_generation_token_whether_listed_or_not():
     """llama-server lists Qwen2.5's <|im_end|> in `tokens` when it stops on it (and not every
     model's end token): the answer compared with via-edge's must end with it once, not twice."""
@@ -307,6 +306,7 @@ def test_a_server_answer_ends_with_one_end_of_generation_token_whether_listed_or
     assert server_tokens({"tokens": [5, 6], "stop_type": "limit"}, eos, is_eog) == [5, 6]
 
 
+@pytest.mark.slow
 def test_llama_server_peers_run_on_the_same_prompts_and_weights(tmp_path):
     """llama.cpp's own server, plain and with --spec-default, beside via-edge's ar in one bench
     run: both answer every prompt greedily, their speeds are their own timings, and the report

@@ -33,7 +33,8 @@ class Generator:
         t_end = time.perf_counter()
         gen_s = t_end - t_first
         return {"tokens": out, "prefill_s": t_first - t0, "gen_s": gen_s,
-                "tok_s": len(out) / gen_s if gen_s > 0 else 0.0}  # every token over the span, as via-edge counts
+                # every token over the span after the first, as via-edge counts (one token: no span)
+                "tok_s": len(out) / gen_s if len(out) > 1 and gen_s > 0 else 0.0}
 
     def close(self) -> None:
         self.llm.close()

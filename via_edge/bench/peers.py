@@ -154,7 +154,7 @@ class ServerPeer:
         # predicted_per_second is (predicted_n - 1) / predicted_ms (the first token comes with the
         # prompt); via-edge counts every generated token over the same span, and so does this
         return {"tokens": got, "prefill_s": t["prompt_ms"] / 1e3, "gen_s": t["predicted_ms"] / 1e3,
-                "tok_s": t["predicted_n"] / (t["predicted_ms"] / 1e3) if t["predicted_ms"] > 0 else 0.0,
+                "tok_s": t["predicted_n"] / (t["predicted_ms"] / 1e3) if t["predicted_n"] > 1 else 0.0,
                 "draft_n": t.get("draft_n", 0),
                 "draft_n_accepted": t.get("draft_n_accepted", 0)}
 

@@ -29,7 +29,8 @@ CHAT_TEMPERATURE = 0.2  # its create_chat_completion's default
 def timings(result: Result, digits: int = 3) -> dict:
     """llama-server's `timings` object, with the speculative counters and tier counts. Its
     `predicted_per_second` counts as llama-server's does, the tokens after the first over the
-    span from the first to the last (the first comes with the prompt), so the two servers' figures
+    span from the first to the last (the first comes with the prompt's decode; with `--parallel`
+    slots it is decoded in the span, and this undercounts one), so the two servers' figures
     compare alike; `tokens_per_second` elsewhere counts every token (docs/benchmarks.md section 59)."""
     s = result.stats
     steps = max(s.generated_tokens - 1, 0)
