@@ -120,10 +120,16 @@ def test_residual_is_the_clipped_difference_on_any_supports(p_ids, q_ids):
     assert np.allclose(p.residual(p).dense(8), dense_p)  # p - p leaves nothing: p itself
 
 
-def test_prompt_speed_counts_only_the_tokens_prefilled():
-    """A prompt of 101 tokens, 60 of them cached: the prefill computed 40 (the last one is the
-    first round's), so 2 s is 20 tok/s, not the 50.5 a count with the cached ones would claim."""
-    from via_edge import Stats
-
-    assert Stats(prompt_tokens=101, cache_tokens=60, prefill_seconds=2.0).prompt_tokens_per_second == 20.0
-    assert Stats(prompt_tokens=61, cache_tokens=60, prefill_seconds=0.001).prompt_tokens_per_second == 0.0
+def test_prompt_speed_counts_the_tokens_the_prefill_decoded(tiny_engine):
+    """With one slot the prompt's decode covers all of it (its last row gives the first answer
+    token); a request that extends the cached one decodes only what is new. A count of the prompt
+    (with the cached tokens, or without its last) would misstate a chat turn's prefill speed."""
+    tiny_engine.reset()
+    first = list(range(3, 40))
+    a = tiny_engine.generate(first, mode="ar", max_tokens=3)
+    assert a.stats.cache_tokens == 0 and a.stats.prefilled_tokens == len(first)
+    second = first + a.tokens + list(range(50, 60))
+    b = tiny_engine.generate(second, mode="ar", max_tokens=3)
+    assert b.stats.cache_tokens >= len(first)
+    assert b.stats.prefilled_tokens == len(second) - b.stats.cache_tokens
+    assert b.stats.prompt_tokens_per_second == pytest.approx(b.stats.prefilled_tokens / b.stats.prefill_seconds)

@@ -343,6 +343,7 @@ class Engine:
             self.slots.prefill(slot, prompt, used, import_slim=self._slim_kv == "import")
             t1 = time.perf_counter()
             stats.prefill_seconds = t1 - t0
+            stats.prefilled_tokens = target.seq.usage.tokens - before["target"].tokens
             grammar = req.grammar.clone() if req.grammar is not None else None
             pred = req.prediction
             sources = ([pred] if pred is not None else []) + self.memory.sources()

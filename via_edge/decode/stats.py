@@ -36,6 +36,7 @@ class Stats:
     target_tokens: int = 0        # tokens emitted by the target itself (corrections and bonuses)
     queue_seconds: float = 0.0    # waiting for a free slot (server queue included)
     cache_tokens: int = 0         # prompt tokens found in the slot's KV cache (not prefilled again)
+    prefilled_tokens: int = 0     # prompt tokens the target decoded before the first round
     prefill_seconds: float = 0.0
     generate_seconds: float = 0.0
     draft: ModelUsage = field(default_factory=ModelUsage)
@@ -94,10 +95,11 @@ class Stats:
 
     @property
     def prompt_tokens_per_second(self) -> float:
-        """Prompt tokens prefilled per second: all but the last (the first round decodes it), less
-        those found in the cache, which cost nothing."""
-        computed = self.prompt_tokens - 1 - self.cache_tokens
-        return computed / self.prefill_seconds if self.prefill_seconds and computed > 0 else 0.0
+        """Prompt tokens the prefill decoded per second, as llama-server counts them: not those
+        found in the cache, which cost nothing; all the others with one slot (the prompt's decode
+        gives the first token), all but the last under slots (the first round decodes it)."""
+        n = self.prefilled_tokens
+        return n / self.prefill_seconds if self.prefill_seconds and n > 0 else 0.0
 
     def __iadd__(self, other: "Stats") -> "Stats":
         for f in fields(self):
