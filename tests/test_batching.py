@@ -12,6 +12,7 @@ from via_edge.batching import BatchedSeq, Scheduler
 from via_edge.decode.copying import CopyPolicy
 from via_edge.errors import ContextOverflowError, InvalidParameterError
 from via_edge.llama import LlamaModel, LoadParams
+from via_edge.openai_api.responses import timings
 
 PROMPTS = [[1 + i, 5 + 3 * i, 9, 17 + i, 2 * i + 3] for i in range(6)]
 # no copy memory: it would draft from the answers given before, and the origins would differ
@@ -70,6 +71,17 @@ def test_sampled_answers_follow_their_own_seed(solo, par):
     alone = [solo.generate(p, seed=7, **kw).tokens for p in PROMPTS[:4]]
     assert [r.tokens for r in par.generate_batch(PROMPTS[:4], seed=7, **kw)] == alone
     assert [r.tokens for r in par.generate_batch(PROMPTS[:4], seed=8, **kw)] != alone
+
+
+def test_the_server_rate_counts_the_tokens_decoded_in_its_span(solo, par):
+    """`timings.predicted_per_second` counts as llama-server's does: with one slot the prompt's
+    decode gives the first token, so the span holds the others; under slots the first round
+    decodes it inside the span, and every token counts."""
+    for engine, outside in ((solo, 1), (par, 0)):
+        r = engine.generate(PROMPTS[0], mode="ar", max_tokens=12, chat_template=False)
+        n = r.stats.generated_tokens
+        assert n >= 2 and r.stats.first_from_prompt == outside
+        assert timings(r)["predicted_per_second"] == pytest.approx((n - outside) / r.stats.generate_seconds, rel=1e-3)
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_beside_running_generations(tiny_dir):

@@ -340,7 +340,8 @@ class Engine:
         t0 = t1 = time.perf_counter()
         try:
             stats.cache_tokens = common_prefix(target.tokens, prompt[:-1])
-            self.slots.prefill(slot, prompt, used, import_slim=self._slim_kv == "import")
+            primed = self.slots.prefill(slot, prompt, used, import_slim=self._slim_kv == "import")
+            stats.first_from_prompt = int(primed)
             t1 = time.perf_counter()
             stats.prefill_seconds = t1 - t0
             stats.prefilled_tokens = target.seq.usage.tokens - before["target"].tokens

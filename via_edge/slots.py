@@ -126,17 +126,18 @@ class SlotPool:
             return CopyFirst(slot.drafters["lookup"], slot.drafters["model"])
         return slot.drafters.get(kind or ("lookup" if copy else ""))
 
-    def prefill(self, slot: Slot, prompt: list[int], used: list[tuple[str, ScoredModel]], import_slim: bool) -> None:
+    def prefill(self, slot: Slot, prompt: list[int], used: list[tuple[str, ScoredModel]], import_slim: bool) -> bool:
         """Fill every used model's KV on `slot` with the prompt. The target (one slot) takes all of
         it in one decode and keeps the last position's logits for the first round (`Seq.prime`);
         the others, and the target under the scheduler, take all but the last token, which each
         round decodes. A prefix slim imports the target's KV instead of recomputing it when
-        `import_slim` (see docs/design.md)."""
-        m, tokens = self.models, prompt[:-1]
+        `import_slim` (see docs/design.md). True when the prompt's decode gave the first token."""
+        m, tokens, primed = self.models, prompt[:-1], False
         for role, scored in used:
             seq = scored.model.seqs[slot.index]
             if role == "target" and scored.seq is seq:
                 seq.prime(prompt)
+                primed = True
             elif not tokens:
                 seq.reset()
             elif role == "slim" and m.slim_prefix and import_slim:
@@ -145,6 +146,7 @@ class SlotPool:
                     seq.set_state(slice_seq_state(source.state(), m.slim_prefix), source.tokens)
             else:
                 scored.seq.prefill(tokens)
+        return primed
 
     def _others(self) -> int:
         """Tokens the other slots add to the target's next decode (none without slots)."""

@@ -37,6 +37,7 @@ class Stats:
     queue_seconds: float = 0.0    # waiting for a free slot (server queue included)
     cache_tokens: int = 0         # prompt tokens found in the slot's KV cache (not prefilled again)
     prefilled_tokens: int = 0     # prompt tokens the target decoded before the first round
+    first_from_prompt: int = 0    # 1 when the prompt's decode gave the first token (one slot), 0 under slots
     prefill_seconds: float = 0.0
     generate_seconds: float = 0.0
     draft: ModelUsage = field(default_factory=ModelUsage)

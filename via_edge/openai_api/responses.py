@@ -28,12 +28,12 @@ CHAT_TEMPERATURE = 0.2  # its create_chat_completion's default
 
 def timings(result: Result, digits: int = 3) -> dict:
     """llama-server's `timings` object, with the speculative counters and tier counts. Its
-    `predicted_per_second` counts as llama-server's does, the tokens after the first over the
-    span from the first to the last (the first comes with the prompt's decode; with `--parallel`
-    slots it is decoded in the span, and this undercounts one), so the two servers' figures
-    compare alike; `tokens_per_second` elsewhere counts every token (docs/benchmarks.md section 59)."""
+    `predicted_per_second` counts as llama-server's does, the tokens decoded in the span from the
+    first to the last (the first comes with the prompt's decode, except under `--parallel` slots,
+    where the first round decodes it), so the two servers' figures compare alike;
+    `tokens_per_second` elsewhere counts every token (docs/benchmarks.md section 59)."""
     s = result.stats
-    steps = max(s.generated_tokens - 1, 0)
+    steps = max(s.generated_tokens - s.first_from_prompt, 0)
     return {
         "queued_ms": round(s.queue_seconds * 1e3, digits),
         "cache_n": s.cache_tokens, "prompt_n": s.prompt_tokens, "prompt_ms": round(s.prefill_seconds * 1e3, digits),
