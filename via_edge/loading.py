@@ -1,6 +1,6 @@
 """The models of one engine: the target loaded at once, the draft and slim when a mode first needs
-them (a given file, or derived from the target's own blocks), and the target's measured batch
-costs; plus what a catalog pair's tuned choice says to load."""
+them (a given file, or derived from the target's own blocks), the target's measured batch
+costs and its prompt helper (llama/prefill.py); plus what a catalog pair's tuned choice says to load."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from .decode.costs import batch_cost
+from .decode.costs import batch_cost, prompt_helper
 from .decode.drafters import check_compatible
 from .decode.modes import DEFAULT_MODE, mode_info
 from .decode.spec import SpecParams
 from .errors import InvalidParameterError
 from .llama import LlamaModel, LoadParams
+from .llama.prefill import Prefiller
 from .tune.store import TunedConfig, load_choice
 from .weights import autoformat, catalog, formats
 from .weights.formats import build_f32
@@ -66,6 +67,7 @@ class Loader:
         self._lock = threading.Lock()  # one thread loads a mode's models
         self.target_path = target
         self.models = Models(self._open("target", target))
+        self._attach_prefiller()
 
     def _open(self, role: str, path: Path) -> LlamaModel:
         cb = None
@@ -74,6 +76,26 @@ class Loader:
         # only the target's layers go to RPC servers: draft and slim run here, where they are cheap
         params = self.load if role == "target" else replace(self.load, rpc=(), tensor_split=())
         return LlamaModel(path, params, progress=cb)
+
+    def _attach_prefiller(self) -> None:
+        """Long prompts on the target's unrepacked copy (llama/prefill.py): where asked, or by
+        default where repacking is on and the copy decodes prompts faster here (measured once)."""
+        p, target = self.load, self.models.target
+        if p.prefill_helper is False or p.embeddings or (p.prefill_helper is None and not p.resolved_extra_bufts()):
+            return
+        if p.n_seq > 1 or p.rpc or p.capture:
+            if p.prefill_helper:
+                raise InvalidParameterError("the prefill helper works with one slot (--parallel 1), all layers here "
+                                            "(no --rpc)", "prefill_helper")
+            return
+        if p.prefill_helper:
+            target.prefiller = Prefiller(target)
+            return
+        if self._progress is not None:
+            self._progress("prompt costs", 0.0)
+        target.prefiller = prompt_helper(target)
+        if self._progress is not None:
+            self._progress("prompt costs", 1.0)
 
     def prepare(self, mode: str, batched: bool) -> None:
         """Load whatever `mode` needs that is not loaded yet. With `batched` (several slots) the

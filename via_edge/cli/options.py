@@ -103,6 +103,9 @@ RUN_OPTS = (
     Opt("exact", bool, False, "No weight repacking: verification batches of up to 7 tokens then compute exactly "
         "what single decodes do, so greedy sd (n_draft <= 6) equals ar (slower).", ("--exact",)),
     Opt("kv_type", str, "f16", "KV cache type: f16, f32 or q8_0."),
+    Opt("prefill_helper", Optional[bool], None, "Decode long prompts on a copy of the target loaded without weight "
+        "repacking, then hand its KV cache over (one slot; more memory). Default: where measured at least 1.15x "
+        "faster here (an AMD EPYC: 1.4x).", ("--prefill-helper/--no-prefill-helper",)),
     Opt("rpc", Optional[str], None, "RPC servers (HOST:PORT,...; `via-edge rpc-serve` there) that hold a share of "
         "the target's layers; draft and slim stay here."),
     Opt("tensor_split", Optional[str], None, "With --rpc: the layer shares of this machine, then of each server "
@@ -154,7 +157,8 @@ class Options:
         """
         v = self.values
         load = LoadParams(n_ctx=v["ctx"] or 4096 * n_parallel, n_threads=v["threads"], n_gpu_layers=v["gpu_layers"],
-                          flash_attn=v["flash_attn"], kv_type=v["kv_type"], **(EXACT if v["exact"] else {}),
+                          flash_attn=v["flash_attn"], kv_type=v["kv_type"], prefill_helper=v["prefill_helper"],
+                          **(EXACT if v["exact"] else {}),
                           **remote(v["rpc"], v["tensor_split"]))
         kw: dict[str, Any] = dict(load=load, n_parallel=n_parallel, pull_missing=True, format=v["format"],
                                   copy_memory=v["copy_memory"],
@@ -271,8 +275,9 @@ _loading: dict[str, StatusLine] = {}
 
 def load_progress(role: str, frac: float) -> None:
     """One status line per model load; a finished line is dropped, so a later load of the same role shows too."""
-    what = "measuring the target's batch costs (once on this machine)" if role == "batch costs" else \
-        f"loading {role} model"
+    what = {"batch costs": "measuring the target's batch costs (once on this machine)",
+            "prompt costs": "measuring prompts with and without weight repacking (once on this machine)"
+            }.get(role, f"loading {role} model")
     _loading.setdefault(role, StatusLine()).show(frac, f"{what} {int(frac * 100):3d}%")
     if frac >= 1.0:
         del _loading[role]

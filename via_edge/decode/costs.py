@@ -3,7 +3,8 @@ measured, and the one way it is read (`CostProfile.cost`, piecewise linear, exte
 measured sizes). The tuner profiles draft, target and slims with it (`measure`); the copy
 policy of `lookup` prices a verification of n tokens in single steps with `verify_cost`, live
 (`batch_cost`: measured once per model file, machine and thread count, kept next to the tuned
-choices) and in the tuner's replay alike, so both size copy drafts the same way.
+choices) and in the tuner's replay alike, so both size copy drafts the same way. `prompt_helper` measures whether the target's prompts
+decode faster on its copy loaded without weight repacking (llama/prefill.py).
 
 A profile is measured interleaved (every model at every point before the next repeat, in rotated
 order) so that noise on this shared machine hits all models alike; medians are kept. A slim's
@@ -28,6 +29,7 @@ import numpy as np
 from ..errors import ViaEdgeError
 from ..files import write_json
 from ..llama import LlamaModel
+from ..llama.prefill import Prefiller
 from ..machine import machine_key
 from ..weights.catalog import model_dir, sha256_cached
 
@@ -227,3 +229,58 @@ def tiled(seconds: Mapping[int, float]) -> Callable[[int], float]:
             return max(_interp_extrap(n, ns, raw), ys[-1]) / one
         return ys[int(np.searchsorted(ns, n))] / one
     return cost
+
+
+PROMPT_GAIN = 1.15  # prompts go to the unrepacked copy where they decode at least this much faster
+
+
+def _prompt_path(model: LlamaModel) -> Path:
+    threads = model.params.n_threads or "auto"
+    return model_dir() / "tuned" / f"prompt-layout--{sha256_cached(model.path)[:16]}--{machine_key()}--t{threads}.json"
+
+
+def measure_prompts(model: LlamaModel, plain: LlamaModel, repeats: int = 3) -> dict:
+    """Median seconds of one prompt decode (up to 128 tokens) on `model` and on `plain`, its copy
+    loaded without repacking, interleaved."""
+    text = (files("via_edge") / "data" / "perplexity" / "textwrap.py.txt").read_text()
+    fill = model.tokenize(text, add_special=False)
+    n = min(128, model.n_ctx // 2, len(fill))
+    pairs = [("repacked", model), ("plain", plain)]
+    before = [(m, replace(m.usage), replace(m.seqs[0].usage)) for _, m in pairs]
+    seconds: dict[str, list[float]] = {"repacked": [], "plain": []}
+    for rep in range(repeats):
+        for name, m in pairs[rep % 2:] + pairs[:rep % 2]:
+            m.seqs[0].reset()
+            t0 = time.perf_counter()
+            m.seqs[0].decode(fill[:n], "last")
+            seconds[name].append(time.perf_counter() - t0)
+            m.seqs[0].reset()
+    for m, usage, seq_usage in before:  # the measurement is no one's generation
+        m.usage, m.seqs[0].usage = usage, seq_usage
+    return {"tokens": n, **{name: statistics.median(v) for name, v in seconds.items()}}
+
+
+def prompt_helper(model: LlamaModel) -> Prefiller | None:
+    """The unrepacked copy that decodes `model`'s long prompts, where it does so at least
+    PROMPT_GAIN faster here: measured once per model file, machine and thread count (the copy is
+    loaded for it), kept next to the tuned choices."""
+    path = _prompt_path(model)
+    try:
+        stored = json.loads(path.read_text())
+        gain = float(stored["repacked"]) / float(stored["plain"])
+    except (OSError, ValueError, KeyError, ZeroDivisionError):
+        stored, gain = None, 0.0
+    if stored is not None and gain < PROMPT_GAIN:
+        return None
+    prefiller = Prefiller(model)
+    if stored is None:
+        seconds = measure_prompts(model, prefiller.helper)
+        try:
+            write_json(path, {"model": model.path.name, **seconds})
+        except (OSError, ViaEdgeError) as exc:
+            log.info("prompt costs not stored (%s); measured again next time", exc)
+        if seconds["repacked"] / seconds["plain"] < PROMPT_GAIN:
+            prefiller.close()
+            return None
+    return prefiller
+

@@ -106,9 +106,7 @@ class Stats:
         for f in fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             if isinstance(mine, ModelUsage):
-                mine.calls += theirs.calls
-                mine.tokens += theirs.tokens
-                mine.seconds += theirs.seconds
+                mine.add(theirs)
             else:
                 setattr(self, f.name, mine + theirs)
         return self

@@ -27,7 +27,7 @@ from . import rpc
 from .capture import Capture
 from .grammar import GrammarState
 from .runtime import backend_init, default_threads, extra_bufts_default, lib, on_compute_thread
-from .sequence import Part, Seq
+from .sequence import Part, Primer, Seq
 from .usage import ModelUsage
 
 MAX_SEQ = 64  # sequences per context we accept (llama.cpp's own limit is higher)
@@ -65,6 +65,7 @@ class LoadParams:
     rpc: tuple[str, ...] = ()  # RPC servers (HOST:PORT) that hold a share of the layers (llama/rpc.py)
     tensor_split: tuple[float, ...] = ()  # with rpc: the shares of this machine, then of each server
     embeddings: bool = False   # a context that computes embeddings (`embed`), as llama-cpp-python's embedding=True
+    prefill_helper: bool | None = None  # long prompts decoded unrepacked (llama/prefill.py); None: if faster
 
     def __post_init__(self) -> None:  # checked where the parameters are made: before anything loads
         if self.kv_type not in _KV_TYPES:
@@ -166,10 +167,14 @@ class LlamaModel:
         # called after every decode with its parts and seconds, before the sequences take the tokens
         # in (len(seq.tokens) is the context it was decoded on): how tools time decodes
         self.observers: list[Callable[[Sequence[Part], float], None]] = []
+        self.prefiller: Primer | None = None  # decodes this model's long prompts (llama/prefill.py), owned
 
     # ---- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
         """Free the model once no call is using it (a server's worker may still be decoding)."""
+        if getattr(self, "prefiller", None) is not None:
+            self.prefiller.close()
+            self.prefiller = None
         if not (self._model or self._ctx or self._batch is not None):
             return
         lock = getattr(self, "lock", None)

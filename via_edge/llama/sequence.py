@@ -16,12 +16,23 @@ from .usage import ModelUsage
 Part = tuple["Seq", Sequence[int], Sequence[int]]  # (sequence, tokens at its next positions, rows wanted)
 
 
+class Primer(Protocol):
+    """What decodes a context's long prompts elsewhere and hands the KV cache over (llama/prefill.py)."""
+
+    min_tokens: int
+
+    def prime(self, seq: "Seq", tokens: Sequence[int], keep: int) -> np.ndarray: ...
+    def close(self) -> None: ...
+
+
 class Context(Protocol):
     """What a sequence needs of the llama.cpp context it lives in (llama.model.LlamaModel)."""
 
     lock: ContextManager
     n_batch: int
     n_vocab: int
+    usage: ModelUsage
+    prefiller: Primer | None  # decodes long prompts for `prime`
 
     def run_batch(self, parts: Sequence[Part]) -> tuple[np.ndarray, float]: ...
     def kv_remove(self, seq_id: int, start: int) -> None: ...
@@ -120,6 +131,10 @@ class Seq:
         decode, as llama.cpp's own server runs them, not a prefill then a decode of the last
         token (one step more before the first token)."""
         keep = min(common_prefix(self.tokens, tokens), len(tokens) - 1)
+        prefiller = self.model.prefiller
+        if prefiller is not None and len(tokens) - keep >= prefiller.min_tokens:
+            self._held = prefiller.prime(self, tokens, keep)  # a long prompt, decoded faster elsewhere
+            return
         self.truncate(keep)
         self._held = np.array(self.decode(tokens[keep:], "last"))
 

@@ -16,3 +16,8 @@ class ModelUsage:
     def since(self, before: "ModelUsage") -> "ModelUsage":
         return ModelUsage(self.calls - before.calls, self.tokens - before.tokens,
                           self.seconds - before.seconds)
+
+    def add(self, other: "ModelUsage") -> None:
+        self.calls += other.calls
+        self.tokens += other.tokens
+        self.seconds += other.seconds

@@ -1,0 +1,52 @@
+"""Long prompts decoded on a second copy of a model, loaded without weight repacking.
+
+llama.cpp repacks quantized weights for its CPU kernels: one-token decodes run faster on the
+repacked layout, but on some CPUs its batched kernels run slower than the plain layout's (an AMD
+EPYC: prompts 1.4x faster unrepacked, one-token decodes 1.3x slower; docs/benchmarks.md section
+61). A `Prefiller` decodes a long prompt on the unrepacked copy and hands the KV cache over to
+the repacked model, which then generates. The copy maps the same file (no second copy of the
+weights in memory beyond the page cache) and has a context of its own. The answer is the
+model's, computed with other kernels for the prompt: greedy answers agree with the repacked
+model's own prefill up to rounding at near-ties, as batched and single decodes do (the kernels
+differ between the two in the same way).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+import numpy as np
+
+from .model import LlamaModel
+from .sequence import Seq, common_prefix
+
+MIN_TOKENS = 64  # shorter prompt tails stay on the model itself: the hand-over costs 15-40 ms
+
+
+class Prefiller:
+    """The unrepacked copy of `model` and the hand-over of its KV cache (one sequence)."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        self.min_tokens = MIN_TOKENS
+        self.helper = LlamaModel(model.path, replace(model.params, use_extra_bufts=False, prefill_helper=False))
+
+    def prime(self, seq: Seq, tokens: Sequence[int], keep: int) -> np.ndarray:
+        """Make `seq` hold exactly `tokens`, its first `keep` already there, decoding the rest on
+        the copy; the last position's logits."""
+        h = self.helper.seqs[0]
+        if keep == 0:
+            h.reset()
+        elif common_prefix(h.tokens, tokens) < keep:  # the copy lacks the kept prefix: take the model's
+            h.set_state(seq.state(), seq.tokens)
+        h.truncate(keep)
+        before = replace(h.usage)
+        logits = np.array(h.decode(tokens[keep:], "last"))
+        seq.set_state(h.state(), tokens)
+        spent = h.usage.since(before)  # the prompt's decode counts as the model's own work
+        seq.usage.add(spent)
+        seq.model.usage.add(spent)
+        return logits
+
+    def close(self) -> None:
+        self.helper.close()
