@@ -63,6 +63,7 @@ def test_generate_json(tiny_target, mode):
         ref = engine.generate("hello world", max_tokens=20, chat_template=False, spec=spec)
         prompt_n = len(engine.tokens_for("hello world", False))
     assert out["mode"] == mode and out["tokens"] == ref.tokens and out["text"] == ref.text
+    assert out["prefill_helper"] is False  # --exact: no repacking, nothing for a copy to gain
     assert out["timings"]["predicted_n"] == len(ref.tokens) and out["timings"]["prompt_n"] == prompt_n
     assert out["timings"]["draft_n"] == ref.stats.draft_n and out["tiers"] == ref.tiers
     # llama-server's count: the tokens after the first (it comes with the prompt) over the same span
@@ -70,6 +71,18 @@ def test_generate_json(tiny_target, mode):
     assert t["predicted_per_second"] == pytest.approx((t["predicted_n"] - 1) / t["predicted_ms"] * 1e3, rel=1e-3)
     if mode in ("sd", "via", "hier"):  # prompt lookup finds nothing to copy in random text
         assert ref.stats.draft_n > 0
+
+
+def test_generate_says_when_the_prefill_helper_decodes_prompts(tiny_target):
+    """Asked for, the copy decodes the (long) prompt; the answer is the one without it (same kernels
+    on the tiny F32 model), and --json says which ran."""
+    prompt = " ".join(f"w{i % 37}" for i in range(40))
+    got = {flag: json.loads(cli("generate", prompt, "--target", tiny_target, "--mode", "ar", "-n", 12, "--raw",
+                                "--json", *EXACT_FLAGS, flag).stdout)
+           for flag in ("--prefill-helper", "--no-prefill-helper")}
+    assert got["--prefill-helper"]["prefill_helper"] is True and got["--no-prefill-helper"]["prefill_helper"] is False
+    assert got["--prefill-helper"]["tokens"] == got["--no-prefill-helper"]["tokens"]
+    assert got["--prefill-helper"]["timings"]["prompt_n"] >= 64
 
 
 def test_generate_streams_text_and_reports(tiny_target):

@@ -63,6 +63,7 @@ def generate(
         if as_json:
             out = res.to_dict()
             out["format"] = engine.format
+            out["prefill_helper"] = engine.target.prefiller is not None
             out["models"] = {role: str(m.path) for role in ("target", "draft", "slim")
                              if (m := getattr(engine.models, role)) is not None}
             out["timings"] = timings(res)
@@ -70,7 +71,8 @@ def generate(
         else:
             sys.stdout.write("\n")
             err(f"[{res.mode}, {engine.format}] {s.generated_tokens} tokens, {s.tokens_per_second:.1f} tok/s "
-                 f"(prompt {s.prompt_tokens} tokens, {s.prompt_tokens_per_second:.0f} tok/s)"
+                 f"(prompt {s.prompt_tokens} tokens, {s.prompt_tokens_per_second:.0f} tok/s"
+                 f"{', prefill helper' if engine.target.prefiller is not None else ''})"
                  + (f", accepted {s.draft_n_accepted}/{s.draft_n} drafted, {s.mean_accepted_per_round:.1f} per "
                     f"round, drafts of {s.mean_draft_length:.1f}" if s.draft_n else "")
                  + (f", {s.copied_tokens} copied, {s.generated_tokens - s.copied_tokens} generated"
