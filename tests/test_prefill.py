@@ -96,3 +96,20 @@ def test_by_default_the_first_load_measures_and_stores(tiny_target):
         pass
     stored = json.loads(path.read_text())
     assert stored["tokens"] > 0 and stored["repacked"] > 0 and stored["plain"] > 0
+
+
+def test_a_refused_state_leaves_the_sequence_empty_and_usable(tiny_target):
+    """A hand-over llama.cpp refuses (here a truncated state) raises, and the sequence is empty,
+    not out of step with its KV cache: the same prompt then decodes to the same logits."""
+    import numpy as np
+
+    from via_edge.llama import LlamaModel, LoadParams
+
+    with LlamaModel(tiny_target, LoadParams(**EXACT)) as m:
+        s = m.seqs[0]
+        want = np.array(s.decode(PROMPT[:20], "last"))
+        state = s.state()
+        with pytest.raises(RuntimeError, match="refused"):
+            s.set_state(state[:len(state) // 2], PROMPT[:20])
+        assert s.tokens == []
+        np.testing.assert_array_equal(np.array(s.decode(PROMPT[:20], "last")), want)

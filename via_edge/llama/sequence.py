@@ -167,10 +167,17 @@ class Seq:
             return self.model.kv_state(self.id)
 
     def set_state(self, data: bytes, tokens: Sequence[int]) -> None:
+        """Replace this sequence's KV with `data` (another context's `state()` holding `tokens`)."""
         self.reset()
-        with self.model.lock:
-            self.model.kv_set_state(self.id, data)
-        self.tokens = list(tokens)
+        try:
+            with self.model.lock:
+                self.model.kv_set_state(self.id, data)
+            self.tokens = list(tokens)
+        except BaseException:  # refused or interrupted (Ctrl-C): leave it empty, never out of step
+            with self.model.lock:
+                self.model.kv_remove(self.id, 0)
+            self.tokens = []
+            raise
         self._held = None
 
 
