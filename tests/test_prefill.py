@@ -87,6 +87,7 @@ def test_by_default_the_stored_measurement_decides(tiny_target, repacked, attach
     with Engine(tiny_target, mode="ar", n_ctx=512, use_extra_bufts=True) as engine:
         assert (engine.target.prefiller is not None) == attached
     assert json.loads(path.read_text())["repacked"] == repacked
+    assert (tiny_target.name, repacked) in costs.stored_prompt_gains()  # what `via-edge info` lists
 
 
 def test_by_default_the_first_load_measures_and_stores(tiny_target):

@@ -172,6 +172,7 @@ def info() -> None:
     from ..llama import default_threads, rpc
     from ..machine import build, cpu_name, has_amx, machine_key, versions
     from ..tune.store import tuned_dir
+    from ..decode.costs import PROMPT_GAIN, stored_prompt_gains
     from ..weights.autoformat import all_stored
 
     b, v = build(), versions()
@@ -192,4 +193,10 @@ def info() -> None:
     typer.echo(f"automatic weight formats for this machine and build: {'none yet' if not auto else ''}")
     for c in auto:
         typer.echo(f"  {c.source}: {c.format} ({c.reason}; {c.date})")
+    gains = stored_prompt_gains()
+    typer.echo("prefill helper (prompts on an unrepacked copy) for this machine and build: "
+               + ("none measured yet" if not gains else ""))
+    for name, gain in gains:
+        typer.echo(f"  {name}: prompts {gain:.2f}x as fast unrepacked, "
+                   + ("used" if gain >= PROMPT_GAIN else f"not used (below {PROMPT_GAIN}x)"))
 

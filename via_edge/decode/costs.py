@@ -260,6 +260,19 @@ def measure_prompts(model: LlamaModel, plain: LlamaModel, repeats: int = 3) -> d
     return {"tokens": n, **{name: statistics.median(v) for name, v in seconds.items()}}
 
 
+def stored_prompt_gains() -> list[tuple[str, float]]:
+    """(model file, how much faster prompts decode on its unrepacked copy) as measured on this
+    machine, any thread count: what `via-edge info` lists."""
+    out = []
+    for path in sorted((model_dir() / "tuned").glob(f"prompt-layout--*--{machine_key()}--t*.json")):
+        try:
+            d = json.loads(path.read_text())
+            out.append((str(d["model"]), float(d["repacked"]) / float(d["plain"])))
+        except (OSError, ValueError, KeyError, ZeroDivisionError):
+            continue
+    return out
+
+
 def prompt_helper(model: LlamaModel) -> Prefiller | None:
     """The unrepacked copy that decodes `model`'s long prompts, where it does so at least
     PROMPT_GAIN faster here: measured once per model file, machine and thread count (the copy is
