@@ -29,6 +29,23 @@ def test_prefix_and_fidelity():
     assert fidelity([5, 6], [5, 6]) == {"exact": True, "prefix": 2, "prefix_share": 1.0, "agreement": 1.0}
 
 
+def test_whole_requests_against_a_peer_count_the_prompt_too():
+    """A method that generates at the peer's rate but decodes its prompts twice as fast answers each
+    request sooner: the tok/s ratio stays 1, the request ratio says how much sooner."""
+    from via_edge.bench.report import summarize
+
+    def run(method, pid, prefill, gen):
+        return {"method": method, "prompt_id": pid, "category": "edit", "tokens": [1, 2, 3, 4], "tok_s": 4 / gen,
+                "prefill_s": prefill, "gen_s": gen}
+
+    runs = [run("ar", "a", 2.0, 2.0), run("llama-server", "a", 4.0, 2.0),
+            run("ar", "b", 1.0, 1.0), run("llama-server", "b", 2.0, 1.0)]
+    results = {"meta": {"methods": ["ar", "llama-server"], "formats": {}}, "runs": runs}
+    summary = summarize(results)
+    assert summary["ar"]["vs_peers"]["llama-server"]["speedup"] == pytest.approx(1.0)
+    assert summary["ar"]["request_vs_peers"]["llama-server"]["speedup"] == pytest.approx(1.5)  # 6 s / 4 s, 3 s / 2 s
+
+
 def test_spec_bench_selection_is_fixed():
     cats = list(dict.fromkeys(r["category"] for r in packaged_rows("spec-bench")))
     assert len(cats) == 13 and "coding" in cats

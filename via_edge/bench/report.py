@@ -59,6 +59,9 @@ def summarize(results: dict) -> dict:
             vs = [r["tok_s"] / by_prompt[r["prompt_id"]]["tok_s"] for r in mine
                   if by_prompt[r["prompt_id"]]["tok_s"] > 0]
             entry.setdefault("vs_peers", {})[p] = {"speedup": geomean(vs), "spread": spread(vs)}
+            # the whole request as a user waits for it: the prompt's decode, then the answer
+            whole = [request_s(by_prompt[r["prompt_id"]]) / request_s(r) for r in mine if request_s(r) > 0]
+            entry.setdefault("request_vs_peers", {})[p] = {"speedup": geomean(whole), "spread": spread(whole)}
             if "speedup_vs_peer" not in entry:  # the first peer present: the summary table's column
                 entry.update(peer=p, speedup_vs_peer=geomean(vs), speedup_vs_peer_spread=spread(vs))
         stats = [r["stats"] for r in mine if "stats" in r]
@@ -91,6 +94,11 @@ def summarize(results: dict) -> dict:
                              "vs_ar": mcnemar([mine_by_id[p] for p in both], [ar[p]["passed"] for p in both])}
         summary[method] = entry
     return summary
+
+
+def request_s(run: dict) -> float:
+    """A request's seconds from its prompt to its last token (prefill, then generation)."""
+    return run["prefill_s"] + run["gen_s"]
 
 
 def _first_peer(summary: dict) -> str:
@@ -169,6 +177,15 @@ def render_markdown(results: dict) -> str:
                   "| method | " + " | ".join(present) + " |", "| --- |" + " --- |" * len(present)]
         for method, s in summary.items():
             v = s.get("vs_peers", {})
+            lines.append(f"| {method} | " + " | ".join(
+                f"{_f(v[p]['speedup'])}x ({_f(v[p]['spread']['min'])}–{_f(v[p]['spread']['max'])})" if p in v else ""
+                for p in present) + " |")
+    if present:
+        lines += ["", "## Whole requests against each peer (the peer's seconds from prompt to last token ÷ this "
+                  "method's, geomean, min–max)", "",
+                  "| method | " + " | ".join(present) + " |", "| --- |" + " --- |" * len(present)]
+        for method, s in summary.items():
+            v = s.get("request_vs_peers", {})
             lines.append(f"| {method} | " + " | ".join(
                 f"{_f(v[p]['speedup'])}x ({_f(v[p]['spread']['min'])}–{_f(v[p]['spread']['max'])})" if p in v else ""
                 for p in present) + " |")
