@@ -6,8 +6,9 @@ how much sooner a request starts and ends, and whether its answer stays the same
     .venv/bin/python tools/prefill_ab.py [--suite edit] [--categories edit,edit-chat] [--per-category 6]
         [-n 128] [--mode lookup] [--target GGUF]
 
-Two engines on the same target, `prefill_helper=True` and `False`, take each prompt in turn (the
-order alternating by prompt), from cold caches. Per prompt: the prefill's seconds, the generation's
+One engine with the helper takes each prompt twice, with the helper attached and detached (the
+order alternating by prompt), from cold caches: the same target instance generates in both arms
+(two instances of one model can differ in speed by where their weights landed in memory). Per prompt: the prefill's seconds, the generation's
 tok/s, the whole request's wall time, and whether the two answers are identical; then geomeans over
 the prompts of 64 tokens or more (the ones the helper takes) and the shorter ones.
 """
@@ -39,15 +40,17 @@ def main() -> None:
     ap.add_argument("--target", default=None, help="GGUF (default: the default pair's shipped target)")
     a = ap.parse_args()
     target = a.target or catalog.resolve(catalog.pair(None)["target"], pull_missing=True)
-    engines = {on: Engine(target, mode=a.mode, n_ctx=4096, prefill_helper=on) for on in (True, False)}
+    engine = Engine(target, mode=a.mode, n_ctx=4096, prefill_helper=True)
+    helper = engine.target.prefiller
     rows = []
     for i, p in enumerate(load_prompts(a.suite, [c for c in a.categories.split(",") if c] or None, a.per_category)):
-        toks = prompt_tokens(engines[False], p)
+        toks = prompt_tokens(engine, p)
         got = {}
         for on in ((True, False) if i % 2 == 0 else (False, True)):
-            engines[on].reset()
+            engine.target.prefiller = helper if on else None
+            engine.reset()
             t0 = time.perf_counter()
-            r = engines[on].generate(toks, max_tokens=a.max_tokens)
+            r = engine.generate(toks, max_tokens=a.max_tokens)
             got[on] = (r.stats.prefill_seconds, r.stats.tokens_per_second, time.perf_counter() - t0, r.tokens)
         h, o = got[True], got[False]
         rows.append((len(toks), o[0] / h[0], h[1] / o[1], o[2] / h[2], h[3] == o[3]))
@@ -61,8 +64,8 @@ def main() -> None:
             print(f"{label} ({len(sel)}): " + ", ".join(f"{name} {geomean(v):.3f}x ({min(v):.2f}-{max(v):.2f})"
                                                        for name, v in cols)
                   + f", identical {sum(r[4] for r in sel)} of {len(sel)}")
-    for e in engines.values():
-        e.close()
+    engine.target.prefiller = helper
+    engine.close()
 
 
 if __name__ == "__main__":

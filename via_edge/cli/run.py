@@ -169,10 +169,10 @@ def serve(
 def info() -> None:
     """This machine and the llama.cpp build in use: flavor, features, CPU, where models and tuned
     choices live. Tuned choices are kept per machine and build: one made on another is not used."""
+    from ..decode.costs import PROMPT_GAIN, stored_prompt_gains
     from ..llama import default_threads, rpc
     from ..machine import build, cpu_name, has_amx, machine_key, versions
     from ..tune.store import tuned_dir
-    from ..decode.costs import PROMPT_GAIN, stored_prompt_gains
     from ..weights.autoformat import all_stored
 
     b, v = build(), versions()

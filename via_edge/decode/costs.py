@@ -3,8 +3,9 @@ measured, and the one way it is read (`CostProfile.cost`, piecewise linear, exte
 measured sizes). The tuner profiles draft, target and slims with it (`measure`); the copy
 policy of `lookup` prices a verification of n tokens in single steps with `verify_cost`, live
 (`batch_cost`: measured once per model file, machine and thread count, kept next to the tuned
-choices) and in the tuner's replay alike, so both size copy drafts the same way. `prompt_helper` measures whether the target's prompts
-decode faster on its copy loaded without weight repacking (llama/prefill.py).
+choices) and in the tuner's replay alike, so both size copy drafts the same way.
+`prompt_helper` measures whether the target's prompts decode faster on its copy loaded without
+weight repacking (llama/prefill.py).
 
 A profile is measured interleaved (every model at every point before the next repeat, in rotated
 order) so that noise on this shared machine hits all models alike; medians are kept. A slim's
@@ -260,17 +261,19 @@ def measure_prompts(model: LlamaModel, plain: LlamaModel, repeats: int = 3) -> d
     return {"tokens": n, **{name: statistics.median(v) for name, v in seconds.items()}}
 
 
+def _stored_gain(path: Path) -> tuple[str, float] | None:
+    """(model file, how much faster its prompts decode unrepacked) from a stored measurement."""
+    try:
+        d = json.loads(path.read_text())
+        return str(d["model"]), float(d["repacked"]) / float(d["plain"])
+    except (OSError, ValueError, KeyError, ZeroDivisionError):
+        return None
+
+
 def stored_prompt_gains() -> list[tuple[str, float]]:
-    """(model file, how much faster prompts decode on its unrepacked copy) as measured on this
-    machine, any thread count: what `via-edge info` lists."""
-    out = []
-    for path in sorted((model_dir() / "tuned").glob(f"prompt-layout--*--{machine_key()}--t*.json")):
-        try:
-            d = json.loads(path.read_text())
-            out.append((str(d["model"]), float(d["repacked"]) / float(d["plain"])))
-        except (OSError, ValueError, KeyError, ZeroDivisionError):
-            continue
-    return out
+    """Every stored measurement of this machine, any thread count: what `via-edge info` lists."""
+    paths = sorted((model_dir() / "tuned").glob(f"prompt-layout--*--{machine_key()}--t*.json"))
+    return [g for g in map(_stored_gain, paths) if g is not None]
 
 
 def prompt_helper(model: LlamaModel) -> Prefiller | None:
@@ -278,12 +281,8 @@ def prompt_helper(model: LlamaModel) -> Prefiller | None:
     PROMPT_GAIN faster here: measured once per model file, machine and thread count (the copy is
     loaded for it), kept next to the tuned choices."""
     path = _prompt_path(model)
-    try:
-        stored = json.loads(path.read_text())
-        gain = float(stored["repacked"]) / float(stored["plain"])
-    except (OSError, ValueError, KeyError, ZeroDivisionError):
-        stored, gain = None, 0.0
-    if stored is not None and gain < PROMPT_GAIN:
+    stored = _stored_gain(path)
+    if stored is not None and stored[1] < PROMPT_GAIN:
         return None
     prefiller = Prefiller(model)
     if stored is None:
@@ -296,4 +295,3 @@ def prompt_helper(model: LlamaModel) -> Prefiller | None:
             prefiller.close()
             return None
     return prefiller
-

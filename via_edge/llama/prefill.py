@@ -4,8 +4,9 @@ llama.cpp repacks quantized weights for its CPU kernels: one-token decodes run f
 repacked layout, but on some CPUs its batched kernels run slower than the plain layout's (an AMD
 EPYC: prompts 1.4x faster unrepacked, one-token decodes 1.3x slower; docs/benchmarks.md section
 61). A `Prefiller` decodes a long prompt on the unrepacked copy and hands the KV cache over to
-the repacked model, which then generates. The copy maps the same file (no second copy of the
-weights in memory beyond the page cache) and has a context of its own. The answer is the
+the repacked model, which then generates. The copy maps the same file and has a context of its
+own; its weights count again in resident memory as the file's pages (1.3 GB more for the 1.5B
+target), which is why it is kept only where it pays (decode/costs.prompt_helper). The answer is the
 model's, computed with other kernels for the prompt: greedy answers agree with the repacked
 model's own prefill up to rounding at near-ties, as batched and single decodes do (the kernels
 differ between the two in the same way).
