@@ -101,6 +101,17 @@ def request_s(run: dict) -> float:
     return run["prefill_s"] + run["gen_s"]
 
 
+def _peer_table(summary: dict, peers: list[str], key: str, title: str) -> list[str]:
+    """A markdown table of each method's `key` ratios (speedup, spread) against each peer."""
+    lines = ["", f"## {title}", "", "| method | " + " | ".join(peers) + " |", "| --- |" + " --- |" * len(peers)]
+    for method, s in summary.items():
+        v = s.get(key, {})
+        lines.append(f"| {method} | " + " | ".join(
+            f"{_f(v[p]['speedup'])}x ({_f(v[p]['spread']['min'])}–{_f(v[p]['spread']['max'])})" if p in v else ""
+            for p in peers) + " |")
+    return lines
+
+
 def _first_peer(summary: dict) -> str:
     return next((s["peer"] for s in summary.values() if "peer" in s), "llama-cpp-python")
 
@@ -173,22 +184,10 @@ def render_markdown(results: dict) -> str:
                                                    for c in cats) + " |")
     present = list(dict.fromkeys(p for s in summary.values() for p in s.get("vs_peers", {})))
     if len(present) > 1:
-        lines += ["", "## Against each peer (geomean of tok/s ratios, min–max)", "",
-                  "| method | " + " | ".join(present) + " |", "| --- |" + " --- |" * len(present)]
-        for method, s in summary.items():
-            v = s.get("vs_peers", {})
-            lines.append(f"| {method} | " + " | ".join(
-                f"{_f(v[p]['speedup'])}x ({_f(v[p]['spread']['min'])}–{_f(v[p]['spread']['max'])})" if p in v else ""
-                for p in present) + " |")
+        lines += _peer_table(summary, present, "vs_peers", "Against each peer (geomean of tok/s ratios, min–max)")
     if present:
-        lines += ["", "## Whole requests against each peer (the peer's seconds from prompt to last token ÷ this "
-                  "method's, geomean, min–max)", "",
-                  "| method | " + " | ".join(present) + " |", "| --- |" + " --- |" * len(present)]
-        for method, s in summary.items():
-            v = s.get("request_vs_peers", {})
-            lines.append(f"| {method} | " + " | ".join(
-                f"{_f(v[p]['speedup'])}x ({_f(v[p]['spread']['min'])}–{_f(v[p]['spread']['max'])})" if p in v else ""
-                for p in present) + " |")
+        lines += _peer_table(summary, present, "request_vs_peers", "Whole requests against each peer (the peer's "
+                             "seconds from prompt to last token ÷ this method's, geomean, min–max)")
     lines += ["", "## Where the time goes (all prompts)", "",
               "| method | prefill median s | draft calls / s | slim calls / s | target calls / s | tiers A / B (replaced) / C | copied share | mean draft length |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
