@@ -20,10 +20,11 @@ import json
 import logging
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from importlib.resources import files
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -174,18 +175,33 @@ def _path(model: LlamaModel) -> Path:
                                     f"--t{threads}--n{batches[-1]}c{context}.json")
 
 
+def _calibration_tokens(model: LlamaModel) -> list[int]:
+    """Real code to decode while measuring (the perplexity text), as `model` tokenizes it."""
+    text = (files("via_edge") / "data" / "perplexity" / "textwrap.py.txt").read_text()
+    return model.tokenize(text, add_special=False)
+
+
+@contextmanager
+def _untallied(*models: LlamaModel) -> Iterator[None]:
+    """A measurement is no one's generation: every usage counter of `models` as it was before."""
+    before = [(m, replace(m.usage), [replace(s.usage) for s in m.seqs]) for m in models]
+    try:
+        yield
+    finally:
+        for m, usage, seqs in before:
+            m.usage = usage
+            for seq, seq_usage in zip(m.seqs, seqs):
+                seq.usage = seq_usage
+
+
 def measure_verification(model: LlamaModel, repeats: int = 3) -> dict[int, float]:
     """Median seconds of one decode of n tokens after VERIFY_CONTEXT tokens, for n in
     VERIFY_BATCHES (as many of both as a small context window holds)."""
-    text = (files("via_edge") / "data" / "perplexity" / "textwrap.py.txt").read_text()
-    fill = model.tokenize(text, add_special=False)
+    fill = _calibration_tokens(model)
     batches, context = _points(model)
-    before = (replace(model.usage), [replace(s.usage) for s in model.seqs])
-    table = measure({"target": model}, fill, batches=batches, contexts=(context,), repeats=repeats)
-    model.reset()
-    model.usage = before[0]  # the measurement is no one's generation: it counts in no statistics
-    for seq, usage in zip(model.seqs, before[1]):
-        seq.usage = usage
+    with _untallied(model):
+        table = measure({"target": model}, fill, batches=batches, contexts=(context,), repeats=repeats)
+        model.reset()
     return dict(zip(batches, table.table["target"][0]))
 
 
@@ -243,21 +259,18 @@ def _prompt_path(model: LlamaModel) -> Path:
 def measure_prompts(model: LlamaModel, plain: LlamaModel, repeats: int = 3) -> dict:
     """Median seconds of one prompt decode (up to 128 tokens) on `model` and on `plain`, its copy
     loaded without repacking, interleaved."""
-    text = (files("via_edge") / "data" / "perplexity" / "textwrap.py.txt").read_text()
-    fill = model.tokenize(text, add_special=False)
+    fill = _calibration_tokens(model)
     n = min(128, model.n_ctx // 2, len(fill))
     pairs = [("repacked", model), ("plain", plain)]
-    before = [(m, replace(m.usage), replace(m.seqs[0].usage)) for _, m in pairs]
     seconds: dict[str, list[float]] = {"repacked": [], "plain": []}
-    for rep in range(repeats):
-        for name, m in pairs[rep % 2:] + pairs[:rep % 2]:
-            m.seqs[0].reset()
-            t0 = time.perf_counter()
-            m.seqs[0].decode(fill[:n], "last")
-            seconds[name].append(time.perf_counter() - t0)
-            m.seqs[0].reset()
-    for m, usage, seq_usage in before:  # the measurement is no one's generation
-        m.usage, m.seqs[0].usage = usage, seq_usage
+    with _untallied(model, plain):
+        for rep in range(repeats):
+            for name, m in pairs[rep % 2:] + pairs[:rep % 2]:
+                m.seqs[0].reset()
+                t0 = time.perf_counter()
+                m.seqs[0].decode(fill[:n], "last")
+                seconds[name].append(time.perf_counter() - t0)
+                m.seqs[0].reset()
     return {"tokens": n, **{name: statistics.median(v) for name, v in seconds.items()}}
 
 
