@@ -9,7 +9,6 @@ from conftest import EXACT
 
 from via_edge import Engine
 from via_edge.decode import costs
-from via_edge.errors import InvalidParameterError
 from via_edge.llama.prefill import MIN_TOKENS
 
 PROMPT = [3 + (i * 7) % 50 for i in range(150)]
@@ -65,9 +64,44 @@ def test_a_short_new_tail_stays_on_the_target(helped):
     assert helper.usage.tokens == before
 
 
-def test_the_helper_needs_one_slot(tiny_target):
-    with pytest.raises(InvalidParameterError, match="one slot"):
-        Engine(tiny_target, n_parallel=2, prefill_helper=True, **{**EXACT, "n_ctx": 1024})
+def test_under_slots_long_prompts_take_turns_on_the_copy(tiny_target, alone):
+    """Four slots, three long prompts and a short one at once: the copy's one sequence decodes each
+    long prompt in turn (all but its last token, which the first round decodes) and hands it to
+    its own slot; the short one stays in the shared batches. Every answer is its prompt's alone.
+    Batches of 8 tokens cut each prompt into chunks that would interleave on an unguarded copy."""
+    longs = [PROMPT, [9 + (i * 13) % 47 for i in range(120)], [6 + (i * 5) % 41 for i in range(100)]]
+    prompts = longs[:2] + [[4, 9, 2]] + longs[2:]
+    want = [alone.generate(p, max_tokens=16).tokens for p in prompts]
+    with Engine(tiny_target, mode="ar", n_parallel=4, prefill_helper=True, n_batch=8,
+                **{**EXACT, "n_ctx": 4 * 512}) as par:
+        helper = par.target.prefiller.helper
+        assert helper.seqs[0].n_ctx == par.target.seqs[0].n_ctx == 512  # one sequence, as long as a slot's
+        before = helper.usage.tokens
+        got = par.generate_batch(prompts, max_tokens=16)
+        assert [r.tokens for r in got] == want
+        assert helper.usage.tokens - before == sum(len(p) - 1 for p in longs)
+        assert [r.stats.prefilled_tokens for r in got] == [len(p) - 1 for p in prompts]
+
+
+def test_a_generation_away_on_the_copy_does_not_hold_up_the_shared_steps(tiny_target):
+    """While one slot's prompt is on the copy (`Scheduler.away`), the step of another slot's call
+    runs at once, not after the scheduler's linger waiting for the absent slot (here a minute)."""
+    import threading
+
+    from via_edge.batching import BatchedSeq, Scheduler
+    from via_edge.llama import LlamaModel, LoadParams
+
+    with LlamaModel(tiny_target, LoadParams(**{**EXACT, "n_ctx": 2 * 256}, n_seq=2)) as m:
+        sched = Scheduler(linger=60.0)
+        sched.enter()
+        sched.enter()
+        done = threading.Event()
+        with sched.away():
+            worker = threading.Thread(target=lambda: (BatchedSeq(m.seqs[1], sched).decode([3, 4, 5]), done.set()))
+            worker.start()
+            assert done.wait(20), "the present slot's step waited for the absent one"
+        worker.join()
+        sched.close()
 
 
 def stored_path(tiny_target):

@@ -118,6 +118,13 @@ def test_nothing_listening_is_one_line_and_exit_2(tiny_target):
     assert bench.returncode == 2 and "no RPC server answers" in bench.stderr  # bench hands --rpc to the loader
 
 
+def test_the_prefill_helper_with_rpc_is_one_line_before_anything_loads(tiny_target):
+    """The helper is a local copy of all layers: asked for with --rpc it is refused at once."""
+    out = cli("generate", "--target", str(tiny_target), "--rpc", f"127.0.0.1:{free_port()}", "--prefill-helper",
+              "--raw", "hi")
+    assert out.returncode == 2 and "no --rpc" in out.stderr and "Traceback" not in out.stderr
+
+
 class _OldServer(socketserver.BaseRequestHandler):
     """Answers the hello as a server of protocol 6.0.0 would."""
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from typing import Sequence
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -83,6 +84,17 @@ class Scheduler:
         drafter sizing its draft for a shared step needs them): the last step's median per call
         (a prompt chunk in it is an exception, not the rule) for each of them."""
         return round(max(0, self._active - 1) * self._typical.get(model, 1.0))
+
+    @contextmanager
+    def away(self) -> Iterator[None]:
+        """A generation working outside the shared batches for a while (a prompt on the prefill
+        helper, llama/prefill.py): meanwhile the others' steps do not linger for its calls. Its
+        decodes and theirs still take turns on the one compute thread, chunk by step."""
+        self.leave()
+        try:
+            yield
+        finally:
+            self.enter()
 
     def close(self) -> None:
         with self._cv:
@@ -197,5 +209,9 @@ class BatchedSeq:
 
     def prefill(self, tokens: Sequence[int]) -> None:
         missing = self.seq.plan_prefill(tokens)
-        if missing:
+        primer = self.seq.primer(len(missing))
+        if primer is not None:  # a long prompt, decoded on the model's copy outside the shared batches
+            with self.scheduler.away():
+                primer.prime(self.seq, tokens, len(tokens) - len(missing), last=False)
+        elif missing:
             self.scheduler.call(self.seq, missing, [])

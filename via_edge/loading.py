@@ -83,10 +83,7 @@ class Loader:
         p, target = self.load, self.models.target
         if p.prefill_helper is False or p.embeddings or (p.prefill_helper is None and not p.resolved_extra_bufts()):
             return
-        if p.n_seq > 1 or p.rpc or p.capture:
-            if p.prefill_helper:
-                raise InvalidParameterError("the prefill helper works with one slot (--parallel 1), all layers here "
-                                            "(no --rpc)", "prefill_helper")
+        if p.rpc or p.capture:
             return
         if p.prefill_helper:
             target.prefiller = Prefiller(target)

@@ -71,6 +71,8 @@ class LoadParams:
         if self.kv_type not in _KV_TYPES:
             raise InvalidParameterError(f"kv_type must be one of {', '.join(_KV_TYPES)}, got {self.kv_type!r}",
                                         "kv_type")
+        if self.prefill_helper and self.rpc:
+            raise InvalidParameterError("the prefill helper needs all layers here (no --rpc)", "prefill_helper")
 
     def resolved_extra_bufts(self) -> bool:
         return extra_bufts_default() if self.use_extra_bufts is None else self.use_extra_bufts

@@ -5,15 +5,17 @@ repacked layout, but on some CPUs its batched kernels run slower than the plain 
 EPYC: prompts 1.4x faster unrepacked, one-token decodes 1.3x slower; docs/benchmarks.md section
 61). A `Prefiller` decodes a long prompt on the unrepacked copy and hands the KV cache over to
 the repacked model, which then generates. The copy maps the same file and has a context of its
-own; its weights count again in resident memory as the file's pages (1.3 GB more for the 1.5B
-target), which is why it is kept only where it pays (decode/costs.prompt_helper). The answer is the
-model's, computed with other kernels for the prompt: greedy answers agree with the repacked
-model's own prefill up to rounding at near-ties, as batched and single decodes do (the kernels
-differ between the two in the same way).
+own, one sequence as long as one of the model's: the model's slots take turns on it. Its weights
+count again in resident memory as the file's pages (1.3 GB more for the 1.5B target), which is
+why it is kept only where it pays (decode/costs.prompt_helper). The answer is the model's,
+computed with other kernels for the prompt: greedy answers agree with the repacked model's own
+prefill up to rounding at near-ties, as batched and single decodes do (the kernels differ between
+the two in the same way).
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 from typing import Sequence
 
@@ -26,27 +28,33 @@ MIN_TOKENS = 64  # shorter prompt tails stay on the model itself: the hand-over 
 
 
 class Prefiller:
-    """The unrepacked copy of `model` and the hand-over of its KV cache (one sequence)."""
+    """The unrepacked copy of `model` and the hand-over of its KV cache to any of its sequences."""
 
     def __init__(self, model: LlamaModel) -> None:
         self.min_tokens = MIN_TOKENS
-        self.helper = LlamaModel(model.path, replace(model.params, use_extra_bufts=False, prefill_helper=False))
+        one_seq = dict(n_seq=1, n_ctx=model.seqs[0].n_ctx, kv_unified=False)
+        self.helper = LlamaModel(model.path, replace(model.params, use_extra_bufts=False, prefill_helper=False,
+                                                     **one_seq))
+        self._turn = threading.Lock()  # the copy's one sequence serves one slot at a time
 
-    def prime(self, seq: Seq, tokens: Sequence[int], keep: int) -> np.ndarray:
+    def prime(self, seq: Seq, tokens: Sequence[int], keep: int, last: bool = True) -> np.ndarray | None:
         """Make `seq` hold exactly `tokens`, its first `keep` already there, decoding the rest on
-        the copy; the last position's logits."""
-        h = self.helper.seqs[0]
-        if keep == 0:
-            h.reset()
-        elif common_prefix(h.tokens, tokens) < keep:  # the copy lacks the kept prefix: take the model's
-            h.set_state(seq.state(), seq.tokens)
-        h.truncate(keep)
-        before = replace(h.usage)
-        logits = np.array(h.decode(tokens[keep:], "last"))
-        seq.set_state(h.state(), tokens)
-        spent = h.usage.since(before)  # the prompt's decode counts as the model's own work
+        the copy; with `last`, the last position's logits."""
+        with self._turn:
+            h = self.helper.seqs[0]
+            if keep == 0:
+                h.reset()
+            elif common_prefix(h.tokens, tokens) < keep:  # the copy lacks the kept prefix: take the model's
+                h.set_state(seq.state(), seq.tokens)
+            h.truncate(keep)
+            before = replace(h.usage)
+            rows = h.decode(tokens[keep:], "last" if last else "none")
+            logits = np.array(rows) if last else None  # a copy: the next decode reuses the buffer
+            seq.set_state(h.state(), tokens)
+            spent = h.usage.since(before)  # the prompt's decode counts as the model's own work
         seq.usage.add(spent)
-        seq.model.usage.add(spent)
+        with seq.model.lock:  # the model's other slots tally their decodes meanwhile
+            seq.model.usage.add(spent)
         return logits
 
     def close(self) -> None:

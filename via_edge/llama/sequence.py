@@ -21,7 +21,7 @@ class Primer(Protocol):
 
     min_tokens: int
 
-    def prime(self, seq: "Seq", tokens: Sequence[int], keep: int) -> np.ndarray: ...
+    def prime(self, seq: "Seq", tokens: Sequence[int], keep: int, last: bool = True) -> np.ndarray | None: ...
     def close(self) -> None: ...
 
 
@@ -119,10 +119,18 @@ class Seq:
         self.truncate(keep)
         return tokens[keep:]
 
+    def primer(self, n_new: int) -> Primer | None:
+        """The prefiller that decodes `n_new` new prompt tokens for this sequence, if one takes them."""
+        p = self.model.prefiller
+        return p if p is not None and n_new >= p.min_tokens else None
+
     def prefill(self, tokens: Sequence[int]) -> None:
         """Make the KV cache hold exactly `tokens`, computing no logits."""
         missing = self.plan_prefill(tokens)
-        if missing:
+        primer = self.primer(len(missing))
+        if primer is not None:  # a long prompt, decoded faster elsewhere
+            primer.prime(self, tokens, len(tokens) - len(missing), last=False)
+        elif missing:
             self.decode(missing, "none")
 
     def prime(self, tokens: Sequence[int]) -> None:
@@ -131,12 +139,12 @@ class Seq:
         decode, as llama.cpp's own server runs them, not a prefill then a decode of the last
         token (one step more before the first token)."""
         keep = min(common_prefix(self.tokens, tokens), len(tokens) - 1)
-        prefiller = self.model.prefiller
-        if prefiller is not None and len(tokens) - keep >= prefiller.min_tokens:
-            self._held = prefiller.prime(self, tokens, keep)  # a long prompt, decoded faster elsewhere
-            return
         self.truncate(keep)
-        self._held = np.array(self.decode(tokens[keep:], "last"))
+        primer = self.primer(len(tokens) - keep)
+        if primer is not None:  # a long prompt, decoded faster elsewhere
+            self._held = primer.prime(self, tokens, keep)
+        else:
+            self._held = np.array(self.decode(tokens[keep:], "last"))
 
     def plan_eval(self, tokens: Sequence[int], n_rows: int) -> tuple[Sequence[int], list[int]]:
         """Roll back for an eval of `tokens`: (tokens to decode, their rows to return)."""
