@@ -432,6 +432,30 @@ def test_api_keys_guard_every_route_but_health_and_unknown_routes_are_openai_sha
         assert "POST" in wrong.headers["allow"]
 
 
+def test_long_prompts_on_the_prefill_helper_under_slots_answer_as_without_it(client, tiny_target):
+    """`serve --prefill-helper` with four slots says so when ready; two long chat requests at once
+    (their prompts decoded on the copy in turn) get the answers the server without it gives."""
+    messages = [[{"role": "user", "content": " ".join(f"w{(i * k) % 97}" for i in range(60))}] for k in (3, 7)]
+
+    def ask(c, m):
+        return c.chat.completions.create(model=model_id(c), messages=m, max_tokens=16, temperature=0,
+                                         extra_body={"mode": "ar"}).choices[0].message.content
+
+    want = [ask(client, m) for m in messages]
+    proc, base = start(["--target", tiny_target, "--mode", "ar", "--exact", "--no-flash-attn", "--kv-type", "f32",
+                        "--ctx", "2048", "--parallel", "4", "--prefill-helper"])
+    try:
+        helped = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(lambda m: ask(helped, m), messages)) == want
+        usage = helped.chat.completions.create(model=model_id(helped), messages=messages[0], max_tokens=1)
+        assert usage.usage.prompt_tokens >= 64  # long enough for the copy
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert "4 slots of 512 tokens, prefill helper) on http://" in proc.stderr.read()
+
+
 def test_serving_beyond_loopback_without_a_key_warns(tiny_target):
     proc, base = start(["--target", tiny_target, "--host", "0.0.0.0", "--ctx", "512", "--parallel", "1"])
     proc.terminate()

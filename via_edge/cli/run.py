@@ -158,9 +158,9 @@ def serve(
         doing("the server", "nothing was written")
         url = f"http://{host}:{sock.getsockname()[1]}/v1"
         slots = f", {parallel} slots of {engine.target.n_ctx} tokens" if parallel > 1 else ""
+        helper = ", prefill helper" if engine.target.prefiller is not None else ""
         run(engine, sock, on_ready=lambda: err(f"via-edge serving {engine.model_name} ({engine.mode}, "
-                                                f"{engine.format} weights{slots}) "
-                                                f"on {url}"),
+                                                f"{engine.format} weights{slots}{helper}) on {url}"),
             drain=drain, max_body=max_body, max_tokens_limit=max_tokens_limit, max_queue=max_queue, api_keys=keys)
 
 
