@@ -4,12 +4,15 @@ be exactly the one the target gets by decoding its prompts itself."""
 
 import json
 
+import numpy as np
 import pytest
-from conftest import EXACT
+from conftest import EXACT, make_tiny_gguf
 
 from via_edge import Engine
 from via_edge.decode import costs
+from via_edge.llama import LlamaModel, LoadParams
 from via_edge.llama.prefill import MIN_TOKENS
+from via_edge.weights import formats
 
 PROMPT = [3 + (i * 7) % 50 for i in range(150)]
 
@@ -89,7 +92,6 @@ def test_a_generation_away_on_the_copy_does_not_hold_up_the_shared_steps(tiny_ta
     import threading
 
     from via_edge.batching import BatchedSeq, Scheduler
-    from via_edge.llama import LlamaModel, LoadParams
 
     with LlamaModel(tiny_target, LoadParams(**{**EXACT, "n_ctx": 2 * 256}, n_seq=2)) as m:
         sched = Scheduler(linger=60.0)
@@ -104,11 +106,69 @@ def test_a_generation_away_on_the_copy_does_not_hold_up_the_shared_steps(tiny_ta
         sched.close()
 
 
-def stored_path(tiny_target):
-    from via_edge.llama import LlamaModel, LoadParams
-
-    with LlamaModel(tiny_target, LoadParams(n_ctx=512)) as m:
+def stored_path(model_file, **load):
+    with LlamaModel(model_file, LoadParams(n_ctx=512, **load)) as m:
         return costs._prompt_path(m)
+
+
+@pytest.fixture(scope="module")
+def derived(tiny_dir):
+    """A tiny F32 model and its q4_0 variant (written beside it, as for a user's own GGUF)."""
+    source = make_tiny_gguf(tiny_dir / "fmt-src.gguf", arch="qwen2", blocks=2, n_embd=256, n_ff=512, seed=11,
+                            tied=True)  # logits spread over the vocabulary: the format moves them
+    return source, formats.derive(source, "q4_0", quiet=True)
+
+
+def _top(row: np.ndarray, n: int = 5) -> list[float]:
+    """The n largest log-probabilities of a row of logits (the peaked tiny models put ~0 on the
+    first: the runners-up are where two weight sets show)."""
+    row = row.astype(np.float64)
+    lp = row - row.max() - np.log(np.exp(row - row.max()).sum())
+    return sorted(lp, reverse=True)[:n]
+
+
+def test_a_derived_format_prefills_on_the_file_it_was_made_from(derived):
+    """The copy of a derived format is its source file: the prompt's KV cache (and the first
+    token's row, the prompt's last) are the source's, then the format generates. Reference: the
+    source decodes the prompt, its state goes to the format, which goes on one token at a time;
+    the answer and its top log-probabilities match it, and not the format's own prefill (q4_0
+    against F32 weights: other values)."""
+    source, variant = derived
+    assert formats.source_file(variant) == source and formats.source_file(source) is None
+    prompt = [3 + (i * 7) % 90 for i in range(80)]
+    with LlamaModel(source, LoadParams(**EXACT)) as src, LlamaModel(variant, LoadParams(**EXACT)) as var:
+        s, v = src.seqs[0], var.seqs[0]
+        rows = [np.array(s.decode(prompt, "last")[0])]
+        v.set_state(s.state(), prompt)
+        for _ in range(7):
+            rows.append(np.array(v.decode([int(rows[-1].argmax())], "last")[0]))
+        v.reset()
+        own = np.array(v.decode(prompt, "last")[0])
+    with Engine(variant, mode="ar", prefill_helper=True, **EXACT) as helped:
+        assert helped.target.prefiller.helper.path == source
+        got = helped.generate(prompt, max_tokens=8, logprobs=5)
+    assert got.tokens == [int(r.argmax()) for r in rows]
+    tops = [[lp for _, lp in alts] for _, _, alts in got.logprobs]
+    np.testing.assert_allclose(tops, [_top(r) for r in rows], atol=1e-3)
+    assert np.abs(np.array(_top(own)) - _top(rows[0])).max() > 1e-2  # the format's own prefill is told apart
+
+
+@pytest.mark.parametrize("fastest", ["plain", "source_plain"])
+def test_the_stored_measurement_picks_the_faster_copy(derived, fastest):
+    """Measured once: the format repacked and both unrepacked copies; the faster copy is loaded."""
+    source, variant = derived
+    path = stored_path(variant, use_extra_bufts=True)
+    path.unlink(missing_ok=True)
+    with Engine(variant, mode="ar", n_ctx=512, use_extra_bufts=True):
+        pass
+    got = json.loads(path.read_text())
+    assert got["source"] == source.name and min(got["repacked"], got["plain"], got["source_plain"]) > 0
+    times = {"repacked": 2.0, "plain": 1.0, "source_plain": 1.0, fastest: 0.5}
+    path.write_text(json.dumps({"model": variant.name, "source": source.name, "tokens": 128, **times}))
+    with Engine(variant, mode="ar", n_ctx=512, use_extra_bufts=True) as engine:
+        assert engine.target.prefiller.helper.path == (source if fastest == "source_plain" else variant)
+    assert (variant.name, 4.0, f"{source.name} unrepacked" if fastest == "source_plain" else "unrepacked") \
+        in costs.stored_prompt_gains()
 
 
 @pytest.mark.parametrize("repacked, attached", [(1.0, False), (2.0, True)])
@@ -121,7 +181,7 @@ def test_by_default_the_stored_measurement_decides(tiny_target, repacked, attach
     with Engine(tiny_target, mode="ar", n_ctx=512, use_extra_bufts=True) as engine:
         assert (engine.target.prefiller is not None) == attached
     assert json.loads(path.read_text())["repacked"] == repacked
-    assert (tiny_target.name, repacked) in costs.stored_prompt_gains()  # what `via-edge info` lists
+    assert (tiny_target.name, repacked, "unrepacked") in costs.stored_prompt_gains()  # what `via-edge info` lists
 
 
 def test_by_default_the_first_load_measures_and_stores(tiny_target):
@@ -136,10 +196,6 @@ def test_by_default_the_first_load_measures_and_stores(tiny_target):
 def test_a_refused_state_leaves_the_sequence_empty_and_usable(tiny_target):
     """A hand-over llama.cpp refuses (here a truncated state) raises, and the sequence is empty,
     not out of step with its KV cache: the same prompt then decodes to the same logits."""
-    import numpy as np
-
-    from via_edge.llama import LlamaModel, LoadParams
-
     with LlamaModel(tiny_target, LoadParams(**EXACT)) as m:
         s = m.seqs[0]
         want = np.array(s.decode(PROMPT[:20], "last"))

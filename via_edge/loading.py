@@ -18,7 +18,7 @@ from .llama import LlamaModel, LoadParams
 from .llama.prefill import Prefiller
 from .tune.store import TunedConfig, load_choice
 from .weights import autoformat, catalog, formats
-from .weights.formats import build_f32
+from .weights.formats import build_f32, source_file
 from .weights.slim import build_slim, is_prefix, slim_source, target_sha256
 
 Progress = Callable[[str, float], None]  # (what is loading, fraction done)
@@ -85,8 +85,8 @@ class Loader:
             return
         if p.rpc or p.capture:
             return
-        if p.prefill_helper:
-            target.prefiller = Prefiller(target)
+        if p.prefill_helper:  # asked for: for a derived format the shipped file's prompt KV, closer to it
+            target.prefiller = Prefiller(target, source_file(target.path))
             return
         if self._progress is not None:
             self._progress("prompt costs", 0.0)

@@ -34,6 +34,7 @@ from ..llama import LlamaModel
 from ..llama.prefill import Prefiller
 from ..machine import machine_key
 from ..weights.catalog import model_dir, sha256_cached
+from ..weights.formats import source_file
 
 Cost = Callable[[str, int, int], float]  # (model, tokens, context) -> seconds of one call
 VERIFY_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # 64: a 63-token draft and the target's own token
@@ -256,16 +257,17 @@ def _prompt_path(model: LlamaModel) -> Path:
     return model_dir() / "tuned" / f"prompt-layout--{sha256_cached(model.path)[:16]}--{machine_key()}--t{threads}.json"
 
 
-def measure_prompts(model: LlamaModel, plain: LlamaModel, repeats: int = 3) -> dict:
-    """Median seconds of one prompt decode (up to 128 tokens) on `model` and on `plain`, its copy
-    loaded without repacking, interleaved."""
+def measure_prompts(model: LlamaModel, copies: Mapping[str, LlamaModel], repeats: int = 3) -> dict:
+    """Median seconds of one prompt decode (up to 128 tokens) on `model` ("repacked") and on each
+    of its unrepacked `copies`, interleaved."""
     fill = _calibration_tokens(model)
     n = min(128, model.n_ctx // 2, len(fill))
-    pairs = [("repacked", model), ("plain", plain)]
-    seconds: dict[str, list[float]] = {"repacked": [], "plain": []}
-    with _untallied(model, plain):
+    pairs = [("repacked", model), *copies.items()]
+    seconds: dict[str, list[float]] = {name: [] for name, _ in pairs}
+    with _untallied(model, *copies.values()):
         for rep in range(repeats):
-            for name, m in pairs[rep % 2:] + pairs[:rep % 2]:
+            k = rep % len(pairs)
+            for name, m in pairs[k:] + pairs[:k]:
                 m.seqs[0].reset()
                 t0 = time.perf_counter()
                 m.seqs[0].decode(fill[:n], "last")
@@ -274,37 +276,56 @@ def measure_prompts(model: LlamaModel, plain: LlamaModel, repeats: int = 3) -> d
     return {"tokens": n, **{name: statistics.median(v) for name, v in seconds.items()}}
 
 
-def _stored_gain(path: Path) -> tuple[str, float] | None:
-    """(model file, how much faster its prompts decode unrepacked) from a stored measurement."""
+COPIES = ("plain", "source_plain")  # the model's own file unrepacked; the file it was derived from, unrepacked
+
+
+def _best_copy(d: Mapping, with_source: bool) -> tuple[str, float]:
+    """The copy that decodes prompts fastest in a measurement, and how much faster than the model."""
+    name = min((k for k in COPIES if k in d and (with_source or k == "plain")), key=lambda k: float(d[k]))
+    return name, float(d["repacked"]) / float(d[name])
+
+
+def _stored(path: Path) -> dict | None:
     try:
         d = json.loads(path.read_text())
-        return str(d["model"]), float(d["repacked"]) / float(d["plain"])
-    except (OSError, ValueError, KeyError, ZeroDivisionError):
+        _best_copy(d, True)
+        return d
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
         return None
 
 
-def stored_prompt_gains() -> list[tuple[str, float]]:
-    """Every stored measurement of this machine, any thread count: what `via-edge info` lists."""
-    paths = sorted((model_dir() / "tuned").glob(f"prompt-layout--*--{machine_key()}--t*.json"))
-    return [g for g in map(_stored_gain, paths) if g is not None]
+def stored_prompt_gains() -> list[tuple[str, float, str]]:
+    """Every stored measurement of this machine, any thread count: (model file, how much faster its
+    prompts decode on the best copy, which copy) for `via-edge info`."""
+    out = []
+    for path in sorted((model_dir() / "tuned").glob(f"prompt-layout--*--{machine_key()}--t*.json")):
+        d = _stored(path)
+        if d is not None:
+            copy, gain = _best_copy(d, True)
+            out.append((str(d["model"]), gain, f"{d['source']} unrepacked" if copy == "source_plain" else "unrepacked"))
+    return out
 
 
 def prompt_helper(model: LlamaModel) -> Prefiller | None:
     """The unrepacked copy that decodes `model`'s long prompts, where it does so at least
-    PROMPT_GAIN faster here: measured once per model file, machine and thread count (the copy is
-    loaded for it), kept next to the tuned choices."""
+    PROMPT_GAIN faster here: the model's own file, or for a derived format the file it was made
+    from (its prompt's KV cache is then the shipped model's own, closer to it than the format's;
+    docs/benchmarks.md section 64), whichever is faster. Measured once per model file, machine and
+    thread count (the copies are loaded for it), kept next to the tuned choices."""
     path = _prompt_path(model)
-    stored = _stored_gain(path)
-    if stored is not None and stored[1] < PROMPT_GAIN:
-        return None
-    prefiller = Prefiller(model)
-    if stored is None:
-        seconds = measure_prompts(model, prefiller.helper)
-        try:
-            write_json(path, {"model": model.path.name, **seconds})
-        except (OSError, ViaEdgeError) as exc:
-            log.info("prompt costs not stored (%s); measured again next time", exc)
-        if seconds["repacked"] / seconds["plain"] < PROMPT_GAIN:
-            prefiller.close()
-            return None
-    return prefiller
+    source = source_file(model.path)
+    d = _stored(path)
+    if d is not None and (source is None or "source_plain" in d):
+        copy, gain = _best_copy(d, source is not None)
+        return None if gain < PROMPT_GAIN else Prefiller(model, source if copy == "source_plain" else None)
+    copies = {"plain": Prefiller(model), **({"source_plain": Prefiller(model, source)} if source else {})}
+    seconds = measure_prompts(model, {k: p.helper for k, p in copies.items()})
+    try:
+        write_json(path, {"model": model.path.name, **({"source": source.name} if source else {}), **seconds})
+    except (OSError, ViaEdgeError) as exc:
+        log.info("prompt costs not stored (%s); measured again next time", exc)
+    copy, gain = _best_copy(seconds, True)
+    for k, p in copies.items():
+        if k != copy or gain < PROMPT_GAIN:
+            p.close()
+    return copies[copy] if gain >= PROMPT_GAIN else None

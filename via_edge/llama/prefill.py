@@ -4,19 +4,21 @@ llama.cpp repacks quantized weights for its CPU kernels: one-token decodes run f
 repacked layout, but on some CPUs its batched kernels run slower than the plain layout's (an AMD
 EPYC: prompts 1.4x faster unrepacked, one-token decodes 1.3x slower; docs/benchmarks.md section
 61). A `Prefiller` decodes a long prompt on the unrepacked copy and hands the KV cache over to
-the repacked model, which then generates. The copy maps the same file and has a context of its
-own, one sequence as long as one of the model's: the model's slots take turns on it. Its weights
-count again in resident memory as the file's pages (1.3 GB more for the 1.5B target), which is
-why it is kept only where it pays (decode/costs.prompt_helper). The answer is the model's,
-computed with other kernels for the prompt: greedy answers agree with the repacked model's own
-prefill up to rounding at near-ties, as batched and single decodes do (the kernels differ between
-the two in the same way).
+the repacked model, which then generates. The copy maps the model's file, or for a derived
+weight format the shipped file it was made from (same architecture and vocabulary, the weights
+the format approximates: there its prompt kernels can be the faster ones, section 64), and has
+a context of its own, one sequence as long as one of the model's: the model's slots take turns
+on it. Its weights count again in resident memory as the file's pages (1.3 GB more for the 1.5B
+target), which is why it is kept only where it pays (decode/costs.prompt_helper). The answer is
+the model's, computed with other kernels (or the source's weights) for the prompt: greedy
+answers agree with the model's own prefill up to near-ties, as batched and single decodes do.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import replace
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -30,11 +32,13 @@ MIN_TOKENS = 64  # shorter prompt tails stay on the model itself: the hand-over 
 class Prefiller:
     """The unrepacked copy of `model` and the hand-over of its KV cache to any of its sequences."""
 
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: LlamaModel, source: Path | None = None) -> None:
+        """`source`: the file a derived format was made from (weights.formats.source_file), loaded
+        in place of the model's own."""
         self.min_tokens = MIN_TOKENS
         one_seq = dict(n_seq=1, n_ctx=model.seqs[0].n_ctx, kv_unified=False)
-        self.helper = LlamaModel(model.path, replace(model.params, use_extra_bufts=False, prefill_helper=False,
-                                                     **one_seq))
+        self.helper = LlamaModel(source or model.path, replace(model.params, use_extra_bufts=False,
+                                                               prefill_helper=False, **one_seq))
         self._turn = threading.Lock()  # the copy's one sequence serves one slot at a time
 
     def prime(self, seq: Seq, tokens: Sequence[int], keep: int, last: bool = True) -> np.ndarray | None:

@@ -176,16 +176,17 @@ def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> st
 
 def sha256_cached(path: Path, progress: Callable[[int], None] | None = None) -> str:
     """SHA-256 of a model file, remembered in a sidecar keyed by size and mtime (files are large)."""
-    st = path.stat()
-    key = f"{st.st_size}:{st.st_mtime_ns}"
-    side = path.with_name("." + path.name + ".sha256")
+    return known_sha256(path) or _remember_sha256(path, sha256_file(path, progress))
+
+
+def known_sha256(path: Path) -> str | None:
+    """The remembered SHA-256 of a file, if its sidecar is current; nothing is hashed."""
     try:
-        cached = json.loads(side.read_text())
-        if cached.get("key") == key:
-            return cached["sha256"]
-    except (OSError, ValueError):
-        pass
-    return _remember_sha256(path, sha256_file(path, progress))
+        st = path.stat()
+        cached = json.loads(path.with_name("." + path.name + ".sha256").read_text())
+        return cached["sha256"] if cached.get("key") == f"{st.st_size}:{st.st_mtime_ns}" else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def _remember_sha256(path: Path, digest: str) -> str:

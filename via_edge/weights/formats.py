@@ -25,9 +25,10 @@ import numpy as np
 from ..errors import InvalidParameterError, ModelFileError, ViaEdgeError
 from ..files import writable_dir
 from ..llama import quantize
-from .catalog import ByteProgress, sha256_cached
+from . import catalog
+from .catalog import ByteProgress, known_sha256, sha256_cached
 from .gguf_info import field_value, open_reader, read_info, scan_header, write_atomically
-from .slim import derived_dir
+from .slim import derived_dir, slim_source
 
 SHIPPED = "shipped"
 FORMAT_VERSION = 1  # bump when a recipe's meaning changes, so stale variants are not reused
@@ -94,6 +95,21 @@ def variant_source(path: Path, fresh: bool = False) -> tuple[str, str] | None:
         return None
     name, sha = fields.get("via_edge.format.recipe"), fields.get("via_edge.format.source_sha256")
     return (name, sha) if name and sha and fields.get("via_edge.format.version") == FORMAT_VERSION else None
+
+
+def source_file(path: Path) -> Path | None:
+    """The file a variant was derived from, where it still is: the catalog model of that SHA-256,
+    or a GGUF beside the variant whose remembered SHA-256 is it (a variant is written next to its
+    source when that folder is writable). None for a file we did not derive, and for a slim (which
+    keeps the format tags of the file it was cut from)."""
+    found = variant_source(path)
+    if found is None or slim_source(path):
+        return None
+    sha = found[1]
+    for e in catalog.entries():
+        if e.sha256 == sha and (installed := e.installed_path()) is not None:
+            return installed
+    return next((p for p in sorted(path.parent.glob("*.gguf")) if p != path and known_sha256(p) == sha), None)
 
 
 def estimate_size(source: Path, r: Recipe) -> int:
