@@ -167,8 +167,8 @@ def test_the_stored_measurement_picks_the_faster_copy(derived, fastest):
     path.write_text(json.dumps({"model": variant.name, "source": source.name, "tokens": 128, **times}))
     with Engine(variant, mode="ar", n_ctx=512, use_extra_bufts=True) as engine:
         assert engine.target.prefiller.helper.path == (source if fastest == "source_plain" else variant)
-    assert (variant.name, 4.0, f"{source.name} unrepacked" if fastest == "source_plain" else "unrepacked") \
-        in costs.stored_prompt_gains()
+    copy = f"{source.name} unrepacked" if fastest == "source_plain" else "its own file unrepacked"
+    assert (variant.name, 4.0, copy, "auto") in costs.stored_prompt_gains()
 
 
 @pytest.mark.parametrize("repacked, attached", [(1.0, False), (2.0, True)])
@@ -181,7 +181,7 @@ def test_by_default_the_stored_measurement_decides(tiny_target, repacked, attach
     with Engine(tiny_target, mode="ar", n_ctx=512, use_extra_bufts=True) as engine:
         assert (engine.target.prefiller is not None) == attached
     assert json.loads(path.read_text())["repacked"] == repacked
-    assert (tiny_target.name, repacked, "unrepacked") in costs.stored_prompt_gains()  # what `via-edge info` lists
+    assert (tiny_target.name, repacked, "its own file unrepacked", "auto") in costs.stored_prompt_gains()  # `info`
 
 
 def test_by_default_the_first_load_measures_and_stores(tiny_target):

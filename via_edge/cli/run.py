@@ -196,7 +196,7 @@ def info() -> None:
     gains = stored_prompt_gains()
     typer.echo("prefill helper (prompts on an unrepacked copy) for this machine and build: "
                + ("none measured yet" if not gains else ""))
-    for name, gain, copy in gains:
-        typer.echo(f"  {name}: prompts {gain:.2f}x as fast on {copy}, "
+    for name, gain, copy, threads in gains:
+        typer.echo(f"  {name} ({threads} threads): prompts {gain:.2f}x as fast on {copy}, "
                    + ("used" if gain >= PROMPT_GAIN else f"not used (below {PROMPT_GAIN}x)"))
 

@@ -294,15 +294,16 @@ def _stored(path: Path) -> dict | None:
         return None
 
 
-def stored_prompt_gains() -> list[tuple[str, float, str]]:
+def stored_prompt_gains() -> list[tuple[str, float, str, str]]:
     """Every stored measurement of this machine, any thread count: (model file, how much faster its
-    prompts decode on the best copy, which copy) for `via-edge info`."""
+    prompts decode on the best copy, which copy, threads) for `via-edge info`."""
     out = []
     for path in sorted((model_dir() / "tuned").glob(f"prompt-layout--*--{machine_key()}--t*.json")):
         d = _stored(path)
         if d is not None:
             copy, gain = _best_copy(d, True)
-            out.append((str(d["model"]), gain, f"{d['source']} unrepacked" if copy == "source_plain" else "unrepacked"))
+            where = f"{d['source']} unrepacked" if copy == "source_plain" else "its own file unrepacked"
+            out.append((str(d["model"]), gain, where, path.stem.rsplit("--t", 1)[1]))
     return out
 
 
