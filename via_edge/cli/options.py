@@ -104,8 +104,9 @@ RUN_OPTS = (
         "what single decodes do, so greedy sd (n_draft <= 6) equals ar (slower).", ("--exact",)),
     Opt("kv_type", str, "f16", "KV cache type: f16, f32 or q8_0."),
     Opt("prefill_helper", Optional[bool], None, "Decode long prompts on a copy of the target loaded without weight "
-        "repacking, then hand its KV cache over (more memory; slots take turns on it). Default: where measured at least 1.15x "
-        "faster here (an AMD EPYC: 1.4x).", ("--prefill-helper/--no-prefill-helper",)),
+        "repacking (for a derived format, possibly the shipped file it was made from), then hand its KV cache "
+        "over (more memory; slots take turns on it). Default: where measured at least 1.15x faster here (an AMD "
+        "EPYC: 1.4x).", ("--prefill-helper/--no-prefill-helper",)),
     Opt("rpc", Optional[str], None, "RPC servers (HOST:PORT,...; `via-edge rpc-serve` there) that hold a share of "
         "the target's layers; draft and slim stay here."),
     Opt("tensor_split", Optional[str], None, "With --rpc: the layer shares of this machine, then of each server "
