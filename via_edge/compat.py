@@ -151,7 +151,7 @@ class Llama:
     def save_state(self) -> LlamaState:
         """The cached tokens and their KV, to `load_state` later (this process)."""
         seq = self.engine.target.seqs[0]
-        return LlamaState(np.array(seq.tokens, dtype=np.intc), len(seq.tokens), seq.state(), self.seed)
+        return LlamaState(np.array(seq.tokens, dtype=np.intc), len(seq.tokens), bytes(seq.state()), self.seed)
 
     def load_state(self, state: LlamaState) -> None:
         """Restore a saved state: a prompt that starts with its tokens reuses their KV."""

@@ -32,6 +32,7 @@ from .usage import ModelUsage
 
 MAX_SEQ = 64  # sequences per context we accept (llama.cpp's own limit is higher)
 _KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}  # ggml_type values
+_U8P = ctypes.POINTER(ctypes.c_uint8)  # what llama.cpp's state calls take
 
 # What makes a multi-token batch compute exactly what single-token decodes compute (see LoadParams
 # and docs/benchmarks.md, "kernels"). Quantized models: no weight repacking, and batches of at most
@@ -390,16 +391,24 @@ class LlamaModel:
         """Drop a sequence's cache from position `start` on."""
         lib().llama_memory_seq_rm(self._mem, seq_id, start, -1)
 
-    def kv_state(self, seq_id: int) -> bytes:
-        lc = lib()
-        size = lc.llama_state_seq_get_size(self._ctx, seq_id)
-        buf = (ctypes.c_uint8 * size)()
-        n = lc.llama_state_seq_get_data(self._ctx, buf, size, seq_id)
-        return ctypes.string_at(buf, n)
+    # A state is tens of MB (86 MB for 3,000 tokens of the 1.5B target). Through numpy buffers it
+    # is not copied in Python, where a ctypes array's zeroing and copies took 140 ms of a 155 ms
+    # hand-over; a caller that moves states often passes `into`, a buffer it keeps, whose pages
+    # are then faulted in once (docs/benchmarks.md section 65).
+    def kv_state_size(self, seq_id: int) -> int:
+        return lib().llama_state_seq_get_size(self._ctx, seq_id)
 
-    def kv_set_state(self, seq_id: int, data: bytes) -> None:
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        if lib().llama_state_seq_set_data(self._ctx, buf, len(data), seq_id) == 0:
+    def kv_state(self, seq_id: int, into: np.ndarray | None = None) -> memoryview:
+        """The sequence's state, written into `into` (uint8, at least `kv_state_size` long) or a
+        new buffer."""
+        size = self.kv_state_size(seq_id)
+        buf = into if into is not None and len(into) >= size else np.empty(size, dtype=np.uint8)
+        n = lib().llama_state_seq_get_data(self._ctx, buf.ctypes.data_as(_U8P), size, seq_id)
+        return memoryview(buf[:n]).toreadonly()
+
+    def kv_set_state(self, seq_id: int, data: bytes | memoryview) -> None:
+        buf = np.frombuffer(data, dtype=np.uint8)  # no copy: llama.cpp only reads it
+        if lib().llama_state_seq_set_data(self._ctx, buf.ctypes.data_as(_U8P), len(buf), seq_id) == 0:
             raise RuntimeError("llama.cpp refused the sequence state")
 
     def _compute_decode(self, batch) -> tuple[int, float]:

@@ -40,6 +40,7 @@ class Prefiller:
         self.helper = LlamaModel(source or model.path, replace(model.params, use_extra_bufts=False,
                                                                prefill_helper=False, **one_seq))
         self._turn = threading.Lock()  # the copy's one sequence serves one slot at a time
+        self._scratch = np.empty(0, dtype=np.uint8)  # the hand-overs' buffer, kept (llama/model.kv_state)
 
     def prime(self, seq: Seq, tokens: Sequence[int], keep: int, last: bool = True) -> np.ndarray | None:
         """Make `seq` hold exactly `tokens`, its first `keep` already there, decoding the rest on
@@ -49,17 +50,24 @@ class Prefiller:
             if keep == 0:
                 h.reset()
             elif common_prefix(h.tokens, tokens) < keep:  # the copy lacks the kept prefix: take the model's
-                h.set_state(seq.state(), seq.tokens)
+                h.set_state(self._state(seq), seq.tokens)
             h.truncate(keep)
             before = replace(h.usage)
             rows = h.decode(tokens[keep:], "last" if last else "none")
             logits = np.array(rows) if last else None  # a copy: the next decode reuses the buffer
-            seq.set_state(h.state(), tokens)
+            seq.set_state(self._state(h), tokens)
             spent = h.usage.since(before)  # the prompt's decode counts as the model's own work
         seq.usage.add(spent)
         with seq.model.lock:  # the model's other slots tally their decodes meanwhile
             seq.model.usage.add(spent)
         return logits
+
+    def _state(self, seq: Seq) -> memoryview:
+        """`seq`'s state in the kept buffer, grown when too small."""
+        size = seq.state_size()
+        if len(self._scratch) < size:
+            self._scratch = np.empty(size, dtype=np.uint8)
+        return seq.state(self._scratch)
 
     def close(self) -> None:
         self.helper.close()

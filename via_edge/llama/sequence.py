@@ -36,8 +36,9 @@ class Context(Protocol):
 
     def run_batch(self, parts: Sequence[Part]) -> tuple[np.ndarray, float]: ...
     def kv_remove(self, seq_id: int, start: int) -> None: ...
-    def kv_state(self, seq_id: int) -> bytes: ...
-    def kv_set_state(self, seq_id: int, data: bytes) -> None: ...
+    def kv_state_size(self, seq_id: int) -> int: ...
+    def kv_state(self, seq_id: int, into: np.ndarray | None = None) -> memoryview: ...
+    def kv_set_state(self, seq_id: int, data: bytes | memoryview) -> None: ...
 
 
 class Seq:
@@ -170,11 +171,16 @@ class Seq:
         return self.decode(*self.plan_eval(tokens, n_rows))
 
     # ---- state (KV import for prefix slims) -----------------------------------------------------
-    def state(self) -> bytes:
+    def state(self, into: np.ndarray | None = None) -> memoryview:
+        """This sequence's KV state (llama.cpp's serialization), in `into` when it is large enough."""
         with self.model.lock:
-            return self.model.kv_state(self.id)
+            return self.model.kv_state(self.id, into)
 
-    def set_state(self, data: bytes, tokens: Sequence[int]) -> None:
+    def state_size(self) -> int:
+        with self.model.lock:
+            return self.model.kv_state_size(self.id)
+
+    def set_state(self, data: bytes | memoryview, tokens: Sequence[int]) -> None:
         """Replace this sequence's KV with `data` (another context's `state()` holding `tokens`)."""
         self.reset()
         try:

@@ -184,7 +184,7 @@ def slim_source(path: str | os.PathLike) -> tuple[tuple[int, ...], str] | None:
 
 
 # ---- KV import -----------------------------------------------------------------------------------
-def slice_seq_state(data: bytes, keep: int) -> bytes:
+def slice_seq_state(data: bytes | memoryview, keep: int) -> bytes:
     """Keep the first `keep` layers of a single-sequence KV state from `llama_state_seq_get_data`.
 
     Layout (llama-context.cpp and llama-kv-cache.cpp, state_write): u32 magic 0xaf143cd8,
