@@ -26,7 +26,7 @@ import numpy as np
 from .model import LlamaModel
 from .sequence import Seq, common_prefix
 
-MIN_TOKENS = 64  # shorter new parts stay on the model: two hand-overs (up to 15 ms each at 3,000 tokens) eat the gain
+MIN_TOKENS = 64  # shorter new parts stay on the model (at 64 the copy is 1.11-1.19x faster, section 65)
 
 
 class Prefiller:
