@@ -204,3 +204,12 @@ def test_a_refused_state_leaves_the_sequence_empty_and_usable(tiny_target):
             s.set_state(state[:len(state) // 2], PROMPT[:20])
         assert s.tokens == []
         np.testing.assert_array_equal(np.array(s.decode(PROMPT[:20], "last")), want)
+
+
+def test_the_bench_names_the_copy_prompts_are_decoded_on(helped, alone, tiny_target):
+    """A benchmark's report lists the prefill helper's file beside the target (for a derived
+    format it may be another file than the target's), and nothing where there is none."""
+    from via_edge.bench.runner import model_facts
+
+    assert model_facts(helped)["prefill helper"]["path"] == str(tiny_target)
+    assert "prefill helper" not in model_facts(alone)

@@ -108,10 +108,14 @@ class RunProgress:
 
 
 def model_facts(engine: Engine) -> dict:
+    """Each model the engine runs, by role; "prefill helper" is the unrepacked copy its long
+    prompts are decoded on (llama/prefill.py), for a derived format possibly the shipped file."""
     known = {e.installed_path(): e for e in catalog.entries()}
+    models = {role: getattr(engine.models, role) for role in ("target", "draft", "slim")}
+    if engine.target.prefiller is not None:
+        models["prefill helper"] = engine.target.prefiller.helper
     out = {}
-    for role in ("target", "draft", "slim"):
-        m = getattr(engine.models, role)
+    for role, m in models.items():
         if m is None:
             continue
         entry = known.get(m.path)
