@@ -185,12 +185,18 @@ def test_by_default_the_stored_measurement_decides(tiny_target, repacked, attach
 
 
 def test_by_default_the_first_load_measures_and_stores(tiny_target):
+    """The first load measures (and says so on the status line); the next reads it back silently."""
     path = stored_path(tiny_target)
     path.unlink(missing_ok=True)
-    with Engine(tiny_target, mode="ar", n_ctx=512, use_extra_bufts=True):
-        pass
+    said: list[str] = []
+    for _ in range(2):
+        with Engine(tiny_target, mode="ar", n_ctx=512, use_extra_bufts=True,
+                    progress=lambda what, frac: said.append(what)):
+            said.append("loaded")
     stored = json.loads(path.read_text())
     assert stored["tokens"] > 0 and stored["repacked"] > 0 and stored["plain"] > 0
+    first, second = said[:said.index("loaded")], said[said.index("loaded") + 1:]
+    assert first.count("prompt costs") == 2 and "prompt costs" not in second
 
 
 def test_a_refused_state_leaves_the_sequence_empty_and_usable(tiny_target):

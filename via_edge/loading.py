@@ -88,11 +88,7 @@ class Loader:
         if p.prefill_helper:  # asked for: for a derived format the shipped file's prompt KV, closer to it
             target.prefiller = Prefiller(target, source_file(target.path))
             return
-        if self._progress is not None:
-            self._progress("prompt costs", 0.0)
-        target.prefiller = prompt_helper(target)
-        if self._progress is not None:
-            self._progress("prompt costs", 1.0)
+        target.prefiller = prompt_helper(target, self._measuring("prompt costs"))
 
     def prepare(self, mode: str, batched: bool) -> None:
         """Load whatever `mode` needs that is not loaded yet. With `batched` (several slots) the
@@ -108,11 +104,12 @@ class Loader:
                 if source and is_prefix(source[0]) and source[1] == target_sha256(self.target_path):
                     m.slim_prefix = len(source[0])
             if (info.drafter == "lookup" or batched) and m.batch_cost is None:
-                if self._progress is not None:
-                    self._progress("batch costs", 0.0)
-                m.batch_cost = batch_cost(m.target)  # measured once per machine and model file
-                if self._progress is not None:
-                    self._progress("batch costs", 1.0)
+                m.batch_cost = batch_cost(m.target, self._measuring("batch costs"))  # once per machine and file
+
+    def _measuring(self, what: str) -> Callable[[float], None] | None:
+        """The status line's progress of a measurement that runs once per machine and model file
+        (called only when it does run, not when it is read back)."""
+        return None if self._progress is None else lambda frac: self._progress(what, frac)
 
     def _derived(self, role: str, given: str | Path | None, layers: str | None, mode: str) -> LlamaModel:
         """The draft or slim: a given file, else a slim of the target's `layers`; checked against it."""

@@ -183,6 +183,16 @@ def _calibration_tokens(model: LlamaModel) -> list[int]:
 
 
 @contextmanager
+def _reported(progress: Callable[[float], None] | None) -> Iterator[None]:
+    """0 before a measurement and 1 after it, for the status line."""
+    if progress is not None:
+        progress(0.0)
+    yield
+    if progress is not None:
+        progress(1.0)
+
+
+@contextmanager
 def _untallied(*models: LlamaModel) -> Iterator[None]:
     """A measurement is no one's generation: every usage counter of `models` as it was before."""
     before = [(m, replace(m.usage), [replace(s.usage) for s in m.seqs]) for m in models]
@@ -212,14 +222,15 @@ def store(model: LlamaModel, seconds: Mapping[int, float]) -> None:
                               "seconds": {str(n): s for n, s in seconds.items()}})
 
 
-def batch_cost(model: LlamaModel) -> Callable[[int], float]:
+def batch_cost(model: LlamaModel, progress: Callable[[float], None] | None = None) -> Callable[[int], float]:
     """`verify_cost` of this model here, from its stored measurement, measuring it first if there
-    is none."""
+    is none (`progress` sees 0 and 1 around the measurement)."""
     path = _path(model)
     try:
         seconds = {int(n): float(s) for n, s in json.loads(path.read_text())["seconds"].items()}
     except (OSError, ValueError, KeyError):
-        seconds = measure_verification(model)
+        with _reported(progress):
+            seconds = measure_verification(model)
         try:
             store(model, seconds)
         except (OSError, ViaEdgeError) as exc:
@@ -307,20 +318,22 @@ def stored_prompt_gains() -> list[tuple[str, float, str, str]]:
     return out
 
 
-def prompt_helper(model: LlamaModel) -> Prefiller | None:
+def prompt_helper(model: LlamaModel, progress: Callable[[float], None] | None = None) -> Prefiller | None:
     """The unrepacked copy that decodes `model`'s long prompts, where it does so at least
     PROMPT_GAIN faster here: the model's own file, or for a derived format the file it was made
     from (its prompt's KV cache is then the shipped model's own, closer to it than the format's;
     docs/benchmarks.md section 64), whichever is faster. Measured once per model file, machine and
-    thread count (the copies are loaded for it), kept next to the tuned choices."""
+    thread count (the copies are loaded for it; `progress` sees 0 and 1 around it), kept next to
+    the tuned choices."""
     path = _prompt_path(model)
     source = source_file(model.path)
     d = _stored(path)
     if d is not None and (source is None or "source_plain" in d):
         copy, gain = _best_copy(d, source is not None)
         return None if gain < PROMPT_GAIN else Prefiller(model, source if copy == "source_plain" else None)
-    copies = {"plain": Prefiller(model), **({"source_plain": Prefiller(model, source)} if source else {})}
-    seconds = measure_prompts(model, {k: p.helper for k, p in copies.items()})
+    with _reported(progress):
+        copies = {"plain": Prefiller(model), **({"source_plain": Prefiller(model, source)} if source else {})}
+        seconds = measure_prompts(model, {k: p.helper for k, p in copies.items()})
     try:
         write_json(path, {"model": model.path.name, **({"source": source.name} if source else {}), **seconds})
     except (OSError, ViaEdgeError) as exc:
