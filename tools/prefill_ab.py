@@ -51,8 +51,7 @@ def main() -> None:
     target = a.target or catalog.resolve(catalog.pair(None)["target"], pull_missing=True)
     engine = Engine(target, mode=a.mode, n_ctx=4096 * a.parallel, n_parallel=a.parallel, prefill_helper=True)
     helper = engine.target.prefiller
-    short = engine.target.tokenize("<|im_start|>user\nName three prime numbers and say why each is prime."
-                                   "<|im_end|>\n<|im_start|>assistant\n", parse_special=True)
+    short = engine.tokens_for("Name three prime numbers and say why each is prime.", True)
     rows, beside = [], []
     for i, p in enumerate(load_prompts(a.suite, [c for c in a.categories.split(",") if c] or None, a.per_category)):
         toks = prompt_tokens(engine, p)
