@@ -75,14 +75,21 @@ def test_generate_json(tiny_target, mode):
 
 def test_generate_says_when_the_prefill_helper_decodes_prompts(tiny_target):
     """Asked for, the copy decodes the (long) prompt; the answer is the one without it (same kernels
-    on the tiny F32 model), and --json says which ran."""
+    on the tiny F32 model), and --json and the status line say which ran: a short prompt stays
+    on the target though the copy is loaded."""
     prompt = " ".join(f"w{i % 37}" for i in range(40))
     got = {flag: json.loads(cli("generate", prompt, "--target", tiny_target, "--mode", "ar", "-n", 12, "--raw",
                                 "--json", *EXACT_FLAGS, flag).stdout)
            for flag in ("--prefill-helper", "--no-prefill-helper")}
     assert got["--prefill-helper"]["prefill_helper"] is True and got["--no-prefill-helper"]["prefill_helper"] is False
     assert got["--prefill-helper"]["tokens"] == got["--no-prefill-helper"]["tokens"]
-    assert got["--prefill-helper"]["timings"]["prompt_n"] >= 64
+    helped = got["--prefill-helper"]["timings"]
+    assert helped["prompt_n"] >= 64 and helped["prompt_helped_n"] == helped["prompt_n"]
+    assert got["--no-prefill-helper"]["timings"]["prompt_helped_n"] == 0
+    status = {p: cli("generate", p, "--target", tiny_target, "--mode", "ar", "-n", 4, "--raw", *EXACT_FLAGS,
+                     "--prefill-helper").stderr for p in (prompt, "w1 w2 w3")}
+    assert "tok/s on the prefill helper)" in status[prompt]
+    assert "prefill helper" not in status["w1 w2 w3"] and "tok/s)" in status["w1 w2 w3"]
 
 
 def test_generate_streams_text_and_reports(tiny_target):

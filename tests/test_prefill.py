@@ -12,7 +12,7 @@ from via_edge import Engine
 from via_edge.decode import costs
 from via_edge.llama import LlamaModel, LoadParams
 from via_edge.llama.prefill import MIN_TOKENS
-from via_edge.weights import formats
+from via_edge.weights import catalog, formats
 
 PROMPT = [3 + (i * 7) % 50 for i in range(150)]
 
@@ -40,6 +40,7 @@ def test_a_long_prompt_is_decoded_on_the_copy_and_handed_over(helped, alone):
     assert helper.usage.tokens - before == len(PROMPT)  # the copy decoded the whole prompt ...
     assert got.tokens == want.tokens  # ... and the target generated from its KV cache
     assert got.stats.prefilled_tokens == len(PROMPT)  # the prompt speed counts the copy's decode
+    assert got.stats.target.helped == len(PROMPT) and want.stats.target.helped == 0
 
 
 def test_a_follow_up_hands_over_what_the_target_generated_since(helped, alone):
@@ -63,8 +64,8 @@ def test_a_short_new_tail_stays_on_the_target(helped):
     helped.generate(PROMPT, max_tokens=4)
     helper = helped.target.prefiller.helper
     before = helper.usage.tokens
-    helped.generate(PROMPT + [7, 8, 9], max_tokens=4)
-    assert helper.usage.tokens == before
+    got = helped.generate(PROMPT + [7, 8, 9], max_tokens=4)
+    assert helper.usage.tokens == before and got.stats.target.helped == 0
 
 
 def test_under_slots_long_prompts_take_turns_on_the_copy(tiny_target, alone):
@@ -84,6 +85,7 @@ def test_under_slots_long_prompts_take_turns_on_the_copy(tiny_target, alone):
         assert [r.tokens for r in got] == want
         assert helper.usage.tokens - before == sum(len(p) - 1 for p in longs)
         assert [r.stats.prefilled_tokens for r in got] == [len(p) - 1 for p in prompts]
+        assert [r.stats.target.helped for r in got] == [len(p) - 1 if p in longs else 0 for p in prompts]
 
 
 def test_a_generation_away_on_the_copy_does_not_hold_up_the_shared_steps(tiny_target):
@@ -219,3 +221,32 @@ def test_the_bench_names_the_copy_prompts_are_decoded_on(helped, alone, tiny_tar
 
     assert model_facts(helped)["prefill helper"]["path"] == str(tiny_target)
     assert "prefill helper" not in model_facts(alone)
+
+
+def test_a_damaged_source_is_not_taken_for_the_helper(derived, tmp_path, monkeypatch):
+    """A catalog file of the right size but changed since it was hashed (here its GGUF magic
+    overwritten: llama.cpp cannot load it) is no longer the format's source: the engine starts,
+    and its helper is the format's own file, not a load error."""
+    source, variant = derived
+    models, elsewhere = tmp_path / "models", tmp_path / "mine"
+    models.mkdir()
+    elsewhere.mkdir()
+    shipped = models / "tiny-src.gguf"
+    shipped.write_bytes(source.read_bytes())
+    mine = elsewhere / variant.name  # not beside a copy of its source: only the catalog can name it
+    mine.write_bytes(variant.read_bytes())
+    sha = catalog.sha256_cached(shipped)
+    cat = tmp_path / "catalog.json"
+    cat.write_text(json.dumps({"models": {"tiny-src": {
+        "architecture": "qwen2", "file": shipped.name, "size": shipped.stat().st_size, "sha256": sha,
+        "huggingface": {"repo": "nobody/tiny", "file": shipped.name}, "pypi": {"member": "x", "packages": []}}},
+        "pairs": {}, "default_pair": None}))
+    monkeypatch.setenv("VIA_EDGE_CATALOG", str(cat))
+    monkeypatch.setenv("VIA_EDGE_MODEL_DIR", str(models))
+    assert formats.source_file(mine) == shipped
+    with open(shipped, "r+b") as f:
+        f.write(b"\0\0\0\0")
+    assert shipped.stat().st_size == len(source.read_bytes()) and formats.source_file(mine) is None
+    with Engine(mine, mode="ar", prefill_helper=True, **EXACT) as engine:
+        assert engine.target.prefiller.helper.path == mine
+        assert len(engine.generate(PROMPT, max_tokens=4).tokens) == 4

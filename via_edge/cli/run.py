@@ -72,7 +72,7 @@ def generate(
             sys.stdout.write("\n")
             err(f"[{res.mode}, {engine.format}] {s.generated_tokens} tokens, {s.tokens_per_second:.1f} tok/s "
                  f"(prompt {s.prompt_tokens} tokens, {s.prompt_tokens_per_second:.0f} tok/s"
-                 f"{', prefill helper' if engine.target.prefiller is not None else ''})"
+                 f"{' on the prefill helper' if s.target.helped else ''})"
                  + (f", accepted {s.draft_n_accepted}/{s.draft_n} drafted, {s.mean_accepted_per_round:.1f} per "
                     f"round, drafts of {s.mean_draft_length:.1f}" if s.draft_n else "")
                  + (f", {s.copied_tokens} copied, {s.generated_tokens - s.copied_tokens} generated"

@@ -57,6 +57,7 @@ class Prefiller:
             logits = np.array(rows) if last else None  # a copy: the next decode reuses the buffer
             seq.set_state(self._state(h), tokens)
             spent = h.usage.since(before)  # the prompt's decode counts as the model's own work
+            spent.helped = spent.tokens
         seq.usage.add(spent)
         with seq.model.lock:  # the model's other slots tally their decodes meanwhile
             seq.model.usage.add(spent)

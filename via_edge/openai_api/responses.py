@@ -37,7 +37,7 @@ def timings(result: Result, digits: int = 3) -> dict:
     return {
         "queued_ms": round(s.queue_seconds * 1e3, digits),
         "cache_n": s.cache_tokens, "prompt_n": s.prompt_tokens, "prompt_ms": round(s.prefill_seconds * 1e3, digits),
-        "prompt_per_second": round(s.prompt_tokens_per_second, digits),
+        "prompt_per_second": round(s.prompt_tokens_per_second, digits), "prompt_helped_n": s.target.helped,
         "predicted_n": s.generated_tokens, "predicted_ms": round(s.generate_seconds * 1e3, digits),
         "predicted_per_second": round(steps / s.generate_seconds if s.generate_seconds else 0.0, digits),
         "draft_n": s.draft_n, "draft_n_accepted": s.draft_n_accepted, "copied_n": s.copied_tokens,

