@@ -12,6 +12,7 @@ from via_edge import Engine
 from via_edge.decode import costs
 from via_edge.llama import LlamaModel, LoadParams
 from via_edge.llama.prefill import MIN_TOKENS
+from via_edge.llama.runtime import default_threads
 from via_edge.weights import catalog, formats
 
 PROMPT = [3 + (i * 7) % 50 for i in range(150)]
@@ -170,7 +171,7 @@ def test_the_stored_measurement_picks_the_faster_copy(derived, fastest):
     with Engine(variant, mode="ar", n_ctx=512, use_extra_bufts=True) as engine:
         assert engine.target.prefiller.helper.path == (source if fastest == "source_plain" else variant)
     copy = f"{source.name} unrepacked" if fastest == "source_plain" else "its own file unrepacked"
-    assert (variant.name, 4.0, copy, "auto") in costs.stored_prompt_gains()
+    assert (variant.name, 4.0, copy, str(default_threads())) in costs.stored_prompt_gains()
 
 
 @pytest.mark.parametrize("repacked, attached", [(1.0, False), (2.0, True)])
@@ -182,8 +183,13 @@ def test_by_default_the_stored_measurement_decides(tiny_target, repacked, attach
     path.write_text(json.dumps({"model": tiny_target.name, "tokens": 128, "repacked": repacked, "plain": 1.0}))
     with Engine(tiny_target, mode="ar", n_ctx=512, use_extra_bufts=True) as engine:
         assert (engine.target.prefiller is not None) == attached
+    # as many threads as the default takes: the same setting, the same measurement (a bench asks for them)
+    assert stored_path(tiny_target, n_threads=default_threads()) == path
+    with Engine(tiny_target, mode="ar", n_ctx=512, use_extra_bufts=True, n_threads=default_threads()) as engine:
+        assert (engine.target.prefiller is not None) == attached
     assert json.loads(path.read_text())["repacked"] == repacked
-    assert (tiny_target.name, repacked, "its own file unrepacked", "auto") in costs.stored_prompt_gains()  # `info`
+    gains = costs.stored_prompt_gains()  # `info`
+    assert (tiny_target.name, repacked, "its own file unrepacked", str(default_threads())) in gains
 
 
 def test_by_default_the_first_load_measures_and_stores(tiny_target):

@@ -32,6 +32,7 @@ from ..errors import ViaEdgeError
 from ..files import write_json
 from ..llama import LlamaModel
 from ..llama.prefill import Prefiller
+from ..llama.runtime import default_threads
 from ..machine import machine_key
 from ..weights.catalog import model_dir, sha256_cached
 from ..weights.formats import source_file
@@ -170,10 +171,16 @@ def _points(model: LlamaModel) -> tuple[list[int], int]:
 
 
 def _path(model: LlamaModel) -> Path:
-    threads = model.params.n_threads or "auto"
     batches, context = _points(model)
     return model_dir() / "tuned" / (f"batch-cost--{sha256_cached(model.path)[:16]}--{machine_key()}"
-                                    f"--t{threads}--n{batches[-1]}c{context}.json")
+                                    f"--t{_threads(model)}--n{batches[-1]}c{context}.json")
+
+
+def _threads(model: LlamaModel) -> int:
+    """The threads a measurement ran on: the default's count, so that a default engine and one
+    asked for as many threads read the same measurement (two noisy measurements of one setting
+    could disagree: the `generate` default with a prefill helper and a 2-thread bench without)."""
+    return model.params.n_threads or default_threads()
 
 
 def _calibration_tokens(model: LlamaModel) -> list[int]:
@@ -264,8 +271,8 @@ PROMPT_GAIN = 1.15  # prompts go to the unrepacked copy where they decode at lea
 
 
 def _prompt_path(model: LlamaModel) -> Path:
-    threads = model.params.n_threads or "auto"
-    return model_dir() / "tuned" / f"prompt-layout--{sha256_cached(model.path)[:16]}--{machine_key()}--t{threads}.json"
+    return model_dir() / "tuned" / (f"prompt-layout--{sha256_cached(model.path)[:16]}--{machine_key()}"
+                                    f"--t{_threads(model)}.json")
 
 
 def measure_prompts(model: LlamaModel, copies: Mapping[str, LlamaModel], repeats: int = 3) -> dict:

