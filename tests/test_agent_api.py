@@ -157,8 +157,10 @@ CODE = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\
 def test_predicted_outputs_through_the_sdk_leave_the_answer_as_it_was(smollm2, tmp_path, monkeypatch):
     """OpenAI's `prediction=` as editors send it (the file the answer rewrites), streamed and not:
     the same answer, drafted from the prediction (timings), and usage counting the prediction's
-    tokens found in the answer and those not. Exact kernels and drafts of at most 6 tokens, so
-    verification computes what single decodes do and the answers compare token for token; a
+    tokens found in the answer and those not. Exact kernels, flash attention (its CPU kernel takes
+    each query row alone; without it the attention's matrix products pick kernels by batch shape,
+    and on an AVX2-only EPYC an F32 KV cache then flipped this answer) and drafts of at most 6
+    tokens, so verification computes what single decodes do and the answers compare token for token; a
     flat cost profile in the server's model directory, so that copies pay however busy the
     machine is while the suite runs."""
     from via_edge.decode import costs
@@ -167,8 +169,8 @@ def test_predicted_outputs_through_the_sdk_leave_the_answer_as_it_was(smollm2, t
     monkeypatch.setenv("VIA_EDGE_MODEL_DIR", str(tmp_path / "models"))
     with LlamaModel(smollm2, LoadParams(n_ctx=2048, **EXACT)) as model:
         costs.store(model, {n: 0.01 for n in costs.VERIFY_BATCHES})
-    with serving(["--target", smollm2, "--mode", "ar", "--exact", "--kv-type", "f32", "--no-flash-attn",
-                  "--copy-max", "6", "--ctx", "2048"]) as base:
+    with serving(["--target", smollm2, "--mode", "ar", "--exact", "--flash-attn", "--copy-max", "6",
+                  "--ctx", "2048"]) as base:
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
         kw = dict(messages=[{"role": "user", "content": "Repeat this code exactly:\n\n" + CODE}], max_tokens=80)
         plain = chat(client, **kw)
