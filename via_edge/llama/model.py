@@ -399,11 +399,12 @@ class LlamaModel:
         return lib().llama_state_seq_get_size(self._ctx, seq_id)
 
     def kv_state(self, seq_id: int, into: np.ndarray | None = None) -> memoryview:
-        """The sequence's state, written into `into` (uint8, at least `kv_state_size` long) or a
-        new buffer."""
-        size = self.kv_state_size(seq_id)
-        buf = into if into is not None and len(into) >= size else np.empty(size, dtype=np.uint8)
-        n = lib().llama_state_seq_get_data(self._ctx, buf.ctypes.data_as(_U8P), size, seq_id)
+        """The sequence's state, written into `into` (uint8, at least `kv_state_size` long: the
+        caller sized it, so the size is not asked twice) or a new buffer."""
+        buf = np.empty(self.kv_state_size(seq_id), dtype=np.uint8) if into is None else into
+        n = lib().llama_state_seq_get_data(self._ctx, buf.ctypes.data_as(_U8P), len(buf), seq_id)
+        if n == 0:
+            raise RuntimeError("llama.cpp could not write the sequence state (buffer too small?)")
         return memoryview(buf[:n]).toreadonly()
 
     def kv_set_state(self, seq_id: int, data: bytes | memoryview) -> None:

@@ -172,7 +172,8 @@ class Seq:
 
     # ---- state (KV import for prefix slims) -----------------------------------------------------
     def state(self, into: np.ndarray | None = None) -> memoryview:
-        """This sequence's KV state (llama.cpp's serialization), in `into` when it is large enough."""
+        """This sequence's KV state (llama.cpp's serialization), in `into` if given (at least
+        `state_size()` long)."""
         with self.model.lock:
             return self.model.kv_state(self.id, into)
 
