@@ -136,6 +136,23 @@ def test_search_finds_planted_layers(tiny_dir):
     assert all(len(s.layers) <= 2 for s in ranked)
 
 
+def test_search_skips_greedy_removal_it_cannot_finish():
+    """Removing 8 of 10 blocks one at a time takes 9 evaluations: with 5 in all, the whole target
+    and the steps toward the budget would be spent on slims that can never fit it, so every
+    evaluation goes to slims within the budget; with enough of them greedy removal runs."""
+    def evaluate(layers, want_influence):
+        calls.append(layers)
+        return len(set(layers) & {3, 7}) / 2, {}, np.arange(len(layers), dtype=float) if want_influence else None
+
+    calls = []
+    ranked = Search(10, 2, evaluate, max_evals=5).run()
+    assert len(calls) == 5 and all(len(c) <= 2 for c in calls)
+    assert all(len(s.layers) <= 2 for s in ranked)
+    calls = []
+    Search(10, 2, evaluate, max_evals=12).run()
+    assert tuple(range(10)) in calls  # the whole target, greedy removal's start
+
+
 def synthetic_traces(draft_agree: float, n: int = 4, length: int = 48):
     rng = np.random.default_rng(0)
     out = []
@@ -174,6 +191,53 @@ def test_never_slower_rule(draft_cost, expect_ar):
         assert chosen.speedup > 1.3 and chosen.fidelity >= 0.95
     front = frontier(cands)
     assert all(a.speedup < b.speedup and a.fidelity >= b.fidelity for a, b in zip(front, front[1:]))
+
+
+@pytest.mark.parametrize("draft_cost,pays", [(2.0, False), (0.05, True)])
+def test_slim_screen_finds_whether_slim_modes_can_pay(draft_cost, pays):
+    """The screen is the best slim configuration of the full replay on the same traces: below ar
+    with an expensive draft (the finalists are then not scored), above it with a cheap one."""
+    from via_edge.tune.choose import SCREEN_FLOOR, screened_out, slim_screen
+
+    traces = synthetic_traces(0.9)
+    slims = {"0-1": [SlimTrace(t.target.copy(), np.where(t.draft == t.target, 1.0, 0.1)) for t in traces]}
+    screen = slim_screen(traces, slims, {"0-1": "slim-2"}, linear_cost(draft_cost), eog=[], out_length=128, floor=0.95)
+    best = best_per_mode(predict(traces, slims, {"0-1": "slim-2"}, linear_cost(draft_cost), eog=[], out_length=128,
+                                 configs=grid(["0-1"])), 0.95)
+    assert screen.mode in ("via", "hier") and screen.speedup == max(best["via"].speedup, best["hier"].speedup)
+    assert (screen.speedup >= SCREEN_FLOOR) == pays
+    why = screened_out(screen, len(traces))
+    assert (why is None) == pays
+    if not pays:
+        assert f"{screen.speedup:.2f}x ar" in why and screened_out(screen, len(traces), floor=0.0) is None
+
+
+def test_checks_left_out_cannot_change_the_choice():
+    """Whatever the held-out runs measure, the choice made from the checked modes alone is the one
+    made from every mode's check: the modes left out could not have been chosen."""
+    from via_edge.tune.choose import Candidate, copy_drafting_over_ar, final_choice, worth_checking
+
+    rng = np.random.default_rng(3)
+    base, dropped = Candidate("ar", SpecParams()), 0
+    for _ in range(300):
+        best = {"ar": Candidate("ar", SpecParams(), speedup=float(rng.choice([1.0, 1.3])),
+                                format=str(rng.choice(["shipped", "q4_0"])))}
+        for m in ("lookup", "sd", "hier", "via"):
+            best[m] = Candidate(m, SpecParams(), speedup=float(rng.uniform(0.5, 1.6)), format=best["ar"].format)
+        below = {"via": best.pop("via")} if rng.random() < 0.3 else {}
+        chosen = choose(best, base)
+        checks = {m: {"measured_speedup": float(rng.uniform(0.7, 1.7)), "measured_agreement": float(rng.uniform(0.9, 1))}
+                  for m in list(best) + list(below)}
+        keep, why = worth_checking(best, below, chosen)
+        assert {"ar", "lookup", chosen.mode} <= set(keep)
+        assert len(why) == len(best) + len(below) - len(keep)
+        dropped += len(why)
+
+        def decide(c):
+            final, text = final_choice(chosen, best, c, 0.95, base)
+            return copy_drafting_over_ar(final, text, best, c, chosen.format)[0]
+        assert decide({m: checks[m] for m in keep}) is decide(checks)
+    assert dropped > 100  # the draws did leave modes out
 
 
 def test_final_choice_needs_both_margins():
@@ -255,8 +319,12 @@ def test_profile_measures_and_interpolates(tiny_target, tiny_dir):
         models = {"target": target, **{k: LlamaModel(p, load) for k, p in paths.items()}}
         fill = target.tokenize("the quick brown fox jumps over the lazy dog " * 8, add_special=False)
         prof = measure(models, fill, batches=(1, 2, 4), contexts=(8, 32), repeats=2)
+        decoded = target.seqs[0].usage.tokens
         for k in paths:
             models[k].close()
+    # the longest context is filled once (less the 4 tokens of the last batch at context 8, which
+    # begin it): the second repeat walks the contexts down, rolling back (filling it again: 76)
+    assert decoded == 32 - 4 + 2 * 2 * (1 + 2 + 4)
     assert set(prof.table) == {"target", "slim-1", "slim-2"} and prof.blocks["slim-2"] == 2
     assert all(len(rows) == 2 and all(len(r) == 3 and min(r) > 0 for r in rows) for rows in prof.table.values())
     assert prof.cost("slim-2", 2, 8) == prof.table["slim-2"][0][1]
@@ -377,7 +445,7 @@ def test_tune_command_end_to_end(model_dir, smollm2):
     """The real command on SmolLM2 at its smallest settings: profile, choice and report written."""
     out = cli("tune", "--pair", "smollm2", "--repeats", 1, "--search-evals", 3, "--calib-tokens", 12, "--heldout", 1,
               "--verify-tokens", 12, "--ctx", 1536, "--formats", "shipped,q4_0", "--quality-floor", 0,
-              "--out", model_dir / "report")
+              "--screen-floor", 0, "--out", model_dir / "report")  # every stage: no slim mode screened out
     assert out.returncode == 0, out.stderr[-3000:]
     choice = json.loads(next((model_dir / "tuned").glob("smollm2--*.choice.json")).read_text())
     profile = json.loads(next((model_dir / "tuned").glob("smollm2--*.profile.json")).read_text())
@@ -390,6 +458,10 @@ def test_tune_command_end_to_end(model_dir, smollm2):
         assert check["tok_s"] > 0 and min(check["speedup_spread"]) * (1 - 1e-9) <= check["measured_speedup"] <= max(
             check["speedup_spread"]) * (1 + 1e-9), mode
     assert {c["mode"] for c in result["candidates"]} == {"ar", "sd", "lookup", "hier", "via"}
+    for mode, c in result["best"].items():  # held-out runs only for the modes that can be chosen
+        ran = mode in ("ar", "lookup", result["predicted_choice"]["mode"]) or c["speedup"] >= 1.15
+        assert (mode in result["verify"]) == ran, mode
+        assert ran or any(x.startswith(f"{mode} not run") for x in result["meta"]["skipped"])
     # the format step: measured rows for both formats, and with floor 0 every mode replayed on q4_0 too
     rows = result["formats"]["target"]
     assert [r["format"] for r in rows] == ["shipped", "q4_0"] and rows[1]["quality"]["positions"] > 0
@@ -409,6 +481,8 @@ def test_tune_command_end_to_end(model_dir, smollm2):
     assert fewer.returncode == 2 and "--replace" in fewer.stderr and "q4_0" in fewer.stderr
     bad = cli("tune", "--pair", "smollm2", "--slim-budget", "1.5")
     assert bad.returncode == 2 and "slim-budget" in bad.stderr and "Traceback" not in bad.stderr
+    bad = cli("tune", "--pair", "smollm2", "--screen-floor", "-1")
+    assert bad.returncode == 2 and "screen-floor" in bad.stderr and "Traceback" not in bad.stderr
 
 
 # ---- sampled decoding through the replay's machinery ---------------------------------------------

@@ -17,6 +17,7 @@ from ..decode.spec import SpecParams
 from ..errors import ViaEdgeError
 from ..files import write_text
 from ..llama import MAX_SEQ
+from ..tune.choose import SCREEN_FLOOR
 from ..tune.survey import QUALITY_FLOOR, check_floor
 from .app import app
 from .models import format_names
@@ -180,6 +181,9 @@ def tune(
     slim_budget: float = typer.Option(0.75, help="A slim may cost at most this share of the target's "
                                       "verification call."),
     search_evals: int = typer.Option(8, help="Slims the layer search may build and score."),
+    screen_floor: float = typer.Option(SCREEN_FLOOR, help="Slim modes whose best configuration on the search's "
+                                       "prompts is predicted below this multiple of ar are dropped before their "
+                                       "finalists are scored on every prompt (0: never dropped)."),
     calib_tokens: int = typer.Option(48, help="Target tokens recorded per calibration prompt."),
     heldout: int = typer.Option(4, help="Held-out prompts for the real check of the prediction."),
     verify_tokens: int = typer.Option(48, help="Tokens per held-out prompt in the real check."),
@@ -208,6 +212,7 @@ def tune(
     names = format_names(formats_list) if formats_list else default_formats()
     check_floor(quality_floor)
     cfg = TuneConfig(pair=pair, fidelity_floor=fidelity_floor, slim_budget=slim_budget, search_evals=search_evals,
+                     screen_floor=screen_floor,
                      calib_tokens=calib_tokens, heldout=heldout, verify_tokens=verify_tokens, repeats=repeats,
                      n_ctx=ctx, threads=threads, formats=names, quality_floor=quality_floor, replace=replace)
     doing("tuning", "the stored choice is unchanged")

@@ -141,7 +141,10 @@ def measure(models: Mapping[str, LlamaModel], fill: Sequence[int], *, batches: S
     samples: dict[tuple[str, int, int], list[float]] = {}
     total, done = repeats * len(contexts) * len(batches) * len(names), 0
     for rep in range(repeats):
-        for ci, c in enumerate(contexts):
+        # every other repeat walks the contexts down: rolling back is free, refilling the longest
+        # context again cost each model a prefill of it (most of the tuner's profile on a slow CPU)
+        order = list(enumerate(contexts))
+        for ci, c in (order if rep % 2 == 0 else order[::-1]):
             for bi, n in enumerate(batches):
                 k = (rep + ci + bi) % len(names)
                 for name in names[k:] + names[:k]:

@@ -10,6 +10,7 @@ from typing import Callable, Iterable, Sequence
 
 from ..bench.metrics import geomean
 from ..decode.copying import CopyDrafter
+from ..decode.costs import CostProfile
 from ..decode.modes import LOSSLESS
 from ..decode.spec import SpecParams
 from .record import SlimTrace, Trace
@@ -137,6 +138,53 @@ def choose(best: dict[str, Candidate], baseline: Candidate, margin: float = PRED
     """
     top = max(best.values(), key=lambda c: c.speedup, default=baseline)
     return top if top.speedup >= 1.0 + margin else baseline
+
+
+def slim_bound(profile: CostProfile, ctx: int) -> float:
+    """The most any slim mode could gain over ar: every draft token kept and checked by a one-block
+    slim, the target never called (via's best case; hier always calls the target, so it gains less)."""
+    ar = profile.cost("target", 1, ctx)
+    per_token = min((k * profile.cost("draft", 1, ctx) + profile.slim_cost(1, k + 1, ctx)) / (k + 1)
+                    for k in range(1, max(profile.batches)))
+    return ar / per_token
+
+
+SCREEN_FLOOR = 1.0  # a slim mode predicted slower than ar on the search's prompts is not scored further
+
+
+def slim_screen(traces: Sequence[Trace], slim_traces: dict[str, list[SlimTrace]], slim_model: dict[str, str],
+                cost: Callable[[str, int, int], float], eog: Sequence[int], out_length: int,
+                floor: float) -> Candidate | None:
+    """The fastest slim configuration (via or hier) meeting the fidelity floor on the search's own
+    traces: where even it is slower than ar, no slim mode can be chosen (that takes +15% over ar on
+    every calibration prompt), and the finalists' scoring on all of them is time for nothing."""
+    cands = predict(traces, slim_traces, slim_model, cost, eog, out_length,
+                    [g for g in grid(list(slim_traces)) if g[2] is not None])
+    return max(best_per_mode(cands, floor).values(), key=lambda c: c.speedup, default=None)
+
+
+def screened_out(screen: Candidate | None, n_prompts: int, floor: float = SCREEN_FLOOR) -> str | None:
+    """Why the slim finalists are not scored on every calibration prompt, or None when they are."""
+    if screen is not None and screen.speedup >= floor:
+        return None
+    return (f"slim finalists not scored on every calibration prompt: on the {n_prompts} search prompts "
+            + (f"the fastest slim configuration, {screen.label()}, is predicted at {screen.speedup:.2f}x ar"
+               if screen else "no slim configuration meets the fidelity floor")
+            + f" (below {floor:.2f}x), and a slim mode is chosen only at +{PREDICTED_MARGIN:.0%} over ar on all of them")
+
+
+def worth_checking(best: dict[str, Candidate], below: dict[str, Candidate], chosen: Candidate
+                   ) -> tuple[dict[str, Candidate], list[str]]:
+    """The modes whose real run can change `final_choice`: the favourite, every mode that may stand
+    in for it (predicted past the margin), and ar and lookup (the copy rule weighs the two). The
+    others' held-out runs could not change the choice (nor can a mode `below` the fidelity floor),
+    so they are left out, with why."""
+    keep = {m: c for m, c in best.items()
+            if m == chosen.mode or m in ("ar", "lookup") or c.speedup >= 1.0 + PREDICTED_MARGIN}
+    why = [f"{m} not run on the held-out prompts: predicted {c.speedup:.2f}x ar, below the "
+           f"+{PREDICTED_MARGIN:.0%} a mode needs to be chosen" for m, c in best.items() if m not in keep]
+    why += [f"{m} not run on the held-out prompts: no configuration meets the fidelity floor" for m in below]
+    return keep, why
 
 
 def final_choice(chosen: Candidate, best: dict[str, Candidate], checks: dict, floor: float, baseline: Candidate

@@ -7,7 +7,8 @@ Candidates, cheapest ideas first (each scored by the caller's `evaluate`, memois
    repeatedly, trying at each step only the blocks that change the hidden state least (block
    influence, from the same evaluation pass), because trying all of them costs a full pass per
    block: up to `shortlist` of them, as many as the evaluation budget leaves for the steps still
-   to go (with a tight budget, one: removal by block influence alone, as ShortGPT does);
+   to go (with a tight budget, one: removal by block influence alone, as ShortGPT does; with
+   fewer evaluations left than blocks to remove, none: it could not reach the budget);
 4. random search around the best: swap one kept block for a dropped one.
 """
 
@@ -78,6 +79,11 @@ class Search:
 
     def _greedy_removal(self, reserve: int) -> None:
         current: Layers = tuple(range(self.n))
+        steps = self.n - self.budget  # one evaluation each at the least, after the whole target's
+        if self.max_evals - len(self.scored) < steps + 1:
+            self.log(f"greedy removal skipped: it needs {steps + 1} evaluations to reach {self.budget} blocks, "
+                     f"{self.max_evals - len(self.scored)} are left (the random search takes them)")
+            return
         while len(current) > self.budget:
             if self.score(current, "greedy", influence=True) is None:
                 return

@@ -5,11 +5,13 @@ check the prediction with a real run, and store the choice the engine then uses 
                  against the shipped file; the draft's fastest passing format is used from here on
     profile   -> CostProfile (decode cost of draft, slims, target by batch and context)
     record    -> traces: the target's greedy output on calibration prompts, the draft along it
-    search    -> slim layers (agreement with the target along the traces, under a block budget)
+    search    -> slim layers (agreement with the target along the traces, under a block budget); the
+                 slim modes dropped when even their best is predicted slower than ar on its prompts
     predict   -> replay ~800 configurations on the shipped file and each passing format (a format's
                  costs are the shipped profile times its measured cost ratio per batch size)
     choose    -> fastest (format, mode, knobs) meeting both floors, or ar on the shipped file
-    verify    -> real interleaved run on held-out prompts: predicted vs measured speedup
+    verify    -> real interleaved run on held-out prompts: predicted vs measured speedup, for every
+                 mode whose result can change the choice
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from ..weights.gguf_info import read_info
 from ..weights.slim import build_slim, format_layers, is_prefix
 from .choose import (
     PREDICTED_MARGIN,
+    SCREEN_FLOOR,
     Candidate,
     best_per_mode,
     choose,
@@ -45,6 +48,10 @@ from .choose import (
     frontier,
     grid,
     predict,
+    screened_out,
+    slim_bound,
+    slim_screen,
+    worth_checking,
 )
 from .record import SlimTrace, Trace, calibration_prompts, capture_names, record, slim_traces
 from .check import verify
@@ -70,6 +77,7 @@ class TuneConfig:
     search_prompts: int = 6        # calibration prompts the slim search scores on (the shortest)
     search_evals: int = 8          # slims the search may build and score (about 20 s each for the 1.5B)
     slim_budget: float = 0.75      # a slim may cost at most this share of the target's verify call
+    screen_floor: float = SCREEN_FLOOR  # slim modes predicted below this x ar on the search prompts: dropped
     heldout: int = 4               # held-out prompts for the real check
     verify_tokens: int = 48
     repeats: int = 2               # profile repeats (medians kept)
@@ -167,14 +175,14 @@ def tune(cfg: TuneConfig, quiet: bool = False) -> dict:
     slims = timed("search", search_slims, cfg, setup, rec, log)
     pred = timed("predict", predict_all, cfg, rec, slims, fmts, log)
     fmt_path = formats.derive(setup.target_path, pred.chosen.format)
-    checks = timed("verify", verify, fmt_path, _draft_path(setup, fmts), {**pred.best, **pred.below},
-                   setup.heldout, cfg.verify_tokens, setup.load, log,
-                   setup.target_path if pred.chosen.format != formats.SHIPPED else None)
+    checked, unchecked = worth_checking(pred.best, pred.below, pred.chosen)
+    checks = timed("verify", verify, fmt_path, _draft_path(setup, fmts), checked, setup.heldout, cfg.verify_tokens,
+                   setup.load, log, setup.target_path if pred.chosen.format != formats.SHIPPED else None)
     final, why = final_choice(pred.chosen, pred.best, checks, cfg.fidelity_floor, pred.baseline)
     final, why = copy_drafting_over_ar(final, why, pred.best, checks, pred.chosen.format)
     log(why)
     timings["total"] = time.monotonic() - t_start
-    return store(cfg, setup, fmts, rec, slims, pred, checks, final, why, timings, log)
+    return store(cfg, setup, fmts, rec, slims, pred, checks, final, why, timings, log, unchecked)
 
 
 def prepare(cfg: TuneConfig) -> Setup:
@@ -185,6 +193,8 @@ def prepare(cfg: TuneConfig) -> Setup:
         raise InvalidParameterError(f"--fidelity-floor must be in (0, 1], got {cfg.fidelity_floor}")
     if not 0 < cfg.slim_budget < 1:
         raise InvalidParameterError(f"--slim-budget must be in (0, 1), got {cfg.slim_budget}")
+    if not cfg.screen_floor >= 0:
+        raise InvalidParameterError(f"--screen-floor must be 0 or more, got {cfg.screen_floor}")
     check_floor(cfg.quality_floor)
     formats.check_names(list(cfg.formats))
     stored = load_choice(name)
@@ -294,6 +304,7 @@ def search_slims(cfg: TuneConfig, setup: Setup, rec: Recorded, log: Log) -> Slim
     order = sorted(range(len(traces)), key=lambda i: len(traces[i].prompt))
     search_set = [traces[i] for i in order[: cfg.search_prompts]]
     scratch = Path(tempfile.mkdtemp(prefix="via-edge-search-", dir=catalog.model_dir()))
+    seen: dict[tuple[int, ...], list[SlimTrace]] = {}  # each scored slim's traces on the search prompts
     try:
         def evaluate(layers, want_influence):
             path = build_slim(setup.target_path, format_layers(layers), scratch / f"{format_layers(layers)}.gguf")
@@ -301,6 +312,7 @@ def search_slims(cfg: TuneConfig, setup: Setup, rec: Recorded, log: Log) -> Slim
             with LlamaModel(path, extra_load) as slim:
                 sts, infl = slim_traces(slim, search_set, hidden=want_influence)
             path.unlink()
+            seen[layers] = sts
             return _agreement(search_set, sts), _routing(search_set, sts), infl
 
         log(f"searching slims of at most {budget} of {n_blocks} blocks (slim cost <= {cfg.slim_budget:.0%} of the "
@@ -309,8 +321,18 @@ def search_slims(cfg: TuneConfig, setup: Setup, rec: Recorded, log: Log) -> Slim
         ranked = search.run()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    scored = [{"layers": format_layers(s.layers), "blocks": len(s.layers), "strategy": s.strategy,
+               "agreement": s.agreement, **s.extra} for s in search.scored.values()]
+    finalists = _finalists(ranked)
+    names = {format_layers(s.layers): f"slim-{len(s.layers)}" for s in finalists}
+    screen = slim_screen(search_set, {format_layers(s.layers): seen[s.layers] for s in finalists}, names,
+                         profile.cost, rec.eog, cfg.out_length, cfg.fidelity_floor)
+    why = screened_out(screen, len(search_set), cfg.screen_floor)
+    if why:
+        log(why)
+        return SlimSearch(budget, scored, {}, {}, [], [why])
     data, model, scores = {}, {}, []
-    for s in _finalists(ranked):
+    for s in finalists:
         layers = format_layers(s.layers)
         with LlamaModel(build_slim(setup.target_path, layers), load) as slim:
             data[layers], _ = slim_traces(slim, traces)
@@ -319,18 +341,7 @@ def search_slims(cfg: TuneConfig, setup: Setup, rec: Recorded, log: Log) -> Slim
                        "search_agreement": s.agreement, "agreement": _agreement(traces, data[layers]),
                        **_routing(traces, data[layers])})
     log("finalists: " + "; ".join(f"{d['layers']} agreement {d['agreement']:.2f}" for d in scores))
-    scored = [{"layers": format_layers(s.layers), "blocks": len(s.layers), "strategy": s.strategy,
-               "agreement": s.agreement, **s.extra} for s in search.scored.values()]
     return SlimSearch(budget, scored, data, model, scores, [])
-
-
-def slim_bound(profile: costs.CostProfile, ctx: int) -> float:
-    """The most any slim mode could gain over ar: every draft token kept and checked by a one-block
-    slim, the target never called (via's best case; hier always calls the target, so it gains less)."""
-    ar = profile.cost("target", 1, ctx)
-    per_token = min((k * profile.cost("draft", 1, ctx) + profile.slim_cost(1, k + 1, ctx)) / (k + 1)
-                    for k in range(1, max(profile.batches)))
-    return ar / per_token
 
 
 def predict_all(cfg: TuneConfig, rec: Recorded, slims: SlimSearch, fmts: FormatSurvey, log: Log) -> Prediction:
@@ -359,7 +370,7 @@ def predict_all(cfg: TuneConfig, rec: Recorded, slims: SlimSearch, fmts: FormatS
 
 
 def store(cfg: TuneConfig, setup: Setup, fmts: FormatSurvey, rec: Recorded, slims: SlimSearch, pred: Prediction,
-          checks: dict, final: Candidate, why: str, timings: dict, log: Log) -> dict:
+          checks: dict, final: Candidate, why: str, timings: dict, log: Log, unchecked: list[str]) -> dict:
     """The choice written where the engine reads it, files this run made and did not choose
     removed, and the whole report returned."""
     name, best, below = setup.name, pred.best, pred.below
@@ -376,7 +387,7 @@ def store(cfg: TuneConfig, setup: Setup, fmts: FormatSurvey, rec: Recorded, slim
                  "versions": versions(), "config": {k: (str(v) if isinstance(v, Path) else v)
                                                     for k, v in asdict(cfg).items()},
                  "calibration": [p.id for p in setup.calibration], "heldout": [p.id for p in setup.heldout],
-                 "timings": timings, "skipped": fmts.skipped + slims.skipped,
+                 "timings": timings, "skipped": fmts.skipped + slims.skipped + unchecked,
                  "draft_agreement": rec.draft_agreement, "block_budget": slims.budget,
                  "n_blocks": rec.n_blocks},
         "formats": {role: [r.to_dict() for r in rows] for role, rows in fmts.rows.items()},
