@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from .decode.attention import open_fastest
 from .decode.costs import batch_cost, prompt_helper
 from .decode.drafters import check_compatible
 from .decode.modes import DEFAULT_MODE, mode_info
@@ -66,15 +67,24 @@ class Loader:
         self._slim, self._slim_layers = slim, slim_layers
         self._lock = threading.Lock()  # one thread loads a mode's models
         self.target_path = target
-        self.models = Models(self._open("target", target))
+        self.models = Models(self._open_target(target))
         self._attach_prefiller()
 
-    def _open(self, role: str, path: Path) -> LlamaModel:
+    def _open_target(self, path: Path) -> LlamaModel:
+        """The target with flash attention as measured faster here unless given (decode/attention.py);
+        draft, slim and prefill helper then load with the same setting (the slim and the helper hand
+        KV caches to the target, whose layout it sets)."""
+        target = open_fastest(path, self.load, lambda params: self._open("target", path, params),
+                              self._measuring("attention"))
+        self.load = replace(self.load, flash_attn=target.params.flash_attn)
+        return target
+
+    def _open(self, role: str, path: Path, params: LoadParams | None = None) -> LlamaModel:
         cb = None
         if self._progress is not None:
             cb = lambda frac, role=role: self._progress(role, frac)  # noqa: E731
         # only the target's layers go to RPC servers: draft and slim run here, where they are cheap
-        params = self.load if role == "target" else replace(self.load, rpc=(), tensor_split=())
+        params = params or (self.load if role == "target" else replace(self.load, rpc=(), tensor_split=()))
         return LlamaModel(path, params, progress=cb)
 
     def _attach_prefiller(self) -> None:

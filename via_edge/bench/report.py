@@ -116,6 +116,14 @@ def _first_peer(summary: dict) -> str:
     return next((s["peer"] for s in summary.values() if "peer" in s), "llama-cpp-python")
 
 
+def _attention_line(attention: dict) -> list[str]:
+    """Which via-edge methods ran with flash attention (measured per model file: decode/attention.py)."""
+    said = {True: "on", False: "off", None: "llama.cpp's default"}
+    by = {v: [m for m, fa in attention.items() if fa is v] for v in said}
+    return ["- flash attention: " + "; ".join(f"{said[v]} for {', '.join(ms)}" for v, ms in by.items() if ms)
+            ] if attention else []
+
+
 def _spec_lines(params: dict) -> list[str]:
     """The knobs each mode ran with (one line per mode: tuned runs differ per mode)."""
     tuned = params.get("tuned")
@@ -145,6 +153,7 @@ def render_markdown(results: dict) -> str:
         f"max {meta['params']['max_tokens']} new tokens, greedy, chat template; kernels: "
         f"{'exact (no weight repacking)' if meta['params']['exact_kernels'] else 'fast (llama.cpp defaults)'}"
         f"{', F32 copies of the weights, F32 KV, no flash attention' if meta['params'].get('f32_weights') else ''}",
+        *_attention_line(meta.get("attention", {})),
         *_spec_lines(meta["params"]),
         "",
         "## Summary (speedup = geometric mean over prompts of tok/s ÷ `ar` tok/s on the same prompt)",

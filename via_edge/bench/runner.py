@@ -203,6 +203,7 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
                            "tuned": tuned.tuned.to_dict() if tuned else None, "exact_kernels": cfg.exact,
                            "f32_weights": cfg.f32, "pair": engine_pair_name(cfg.pair)},
                 "methods": methods, "formats": formats,
+                "attention": {m: engine_of(m).target.params.flash_attn for m in methods if m not in by_name},
                 "prompts": [{"id": p.id, "category": p.category, "text": p.text[:200]} for p in prompts[:done]],
             }
             results = {"meta": meta, "runs": runs}

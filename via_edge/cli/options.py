@@ -99,7 +99,8 @@ RUN_OPTS = (
         "slots, default 4096 per slot).", lo=16, hi=1 << 20),
     Opt("threads", Optional[int], None, "CPU threads (default: all cores).", lo=1, hi=1024),
     Opt("gpu_layers", int, -1, "Layers to offload to Metal/GPU (-1: all; CPU builds ignore it).", lo=-1, hi=100000),
-    Opt("flash_attn", Optional[bool], None, "Default: auto.", ("--flash-attn/--no-flash-attn",)),
+    Opt("flash_attn", Optional[bool], None, "Flash attention. Default: whichever decodes the target faster here, "
+        "measured once per model file (on for --exact and for files under 300 MB).", ("--flash-attn/--no-flash-attn",)),
     Opt("exact", bool, False, "No weight repacking: verification batches of up to 7 tokens then compute exactly "
         "what single decodes do, so greedy sd (n_draft <= 6) equals ar (slower).", ("--exact",)),
     Opt("kv_type", str, "f16", "KV cache type: f16, f32 or q8_0."),
@@ -149,6 +150,14 @@ class Options:
     def sampling(self) -> dict[str, Any]:
         return {o.name: self.values[o.name] for o in SAMPLING_OPTS if o.name in self.values}
 
+    def load(self, n_parallel: int = 1) -> LoadParams:
+        """How the models load: `--exact` sets the kernels (llama.EXACT), a flash-attention flag wins."""
+        v = self.values
+        kernels = {**(EXACT if v["exact"] else {}), **({} if v["flash_attn"] is None else {"flash_attn": v["flash_attn"]})}
+        return LoadParams(n_ctx=v["ctx"] or 4096 * n_parallel, n_threads=v["threads"], n_gpu_layers=v["gpu_layers"],
+                          kv_type=v["kv_type"], prefill_helper=v["prefill_helper"], **kernels,
+                          **remote(v["rpc"], v["tensor_split"]))
+
     def engine(self, mode: str | None, fallback_mode: str = DEFAULT_MODE, progress: bool = False,
                n_parallel: int = 1) -> Engine:
         """The engine these options describe: a pair (with its tuned choice) or explicit files.
@@ -157,11 +166,7 @@ class Options:
         (`via-edge tune`), else from SpecParams' defaults.
         """
         v = self.values
-        load = LoadParams(n_ctx=v["ctx"] or 4096 * n_parallel, n_threads=v["threads"], n_gpu_layers=v["gpu_layers"],
-                          flash_attn=v["flash_attn"], kv_type=v["kv_type"], prefill_helper=v["prefill_helper"],
-                          **(EXACT if v["exact"] else {}),
-                          **remote(v["rpc"], v["tensor_split"]))
-        kw: dict[str, Any] = dict(load=load, n_parallel=n_parallel, pull_missing=True, format=v["format"],
+        kw: dict[str, Any] = dict(load=self.load(n_parallel), n_parallel=n_parallel, pull_missing=True, format=v["format"],
                                   copy_memory=v["copy_memory"],
                                   progress=load_progress if progress else None)
         for key, value in (("draft_layers", v["draft_layers"]), ("slim_layers", v["slim_layers"]), ("mode", mode)):
@@ -277,7 +282,8 @@ _loading: dict[str, StatusLine] = {}
 def load_progress(role: str, frac: float) -> None:
     """One status line per model load; a finished line is dropped, so a later load of the same role shows too."""
     what = {"batch costs": "measuring the target's batch costs (once on this machine)",
-            "prompt costs": "measuring prompts with and without weight repacking (once on this machine)"
+            "prompt costs": "measuring prompts with and without weight repacking (once on this machine)",
+            "attention": "measuring decoding with and without flash attention (once on this machine)",
             }.get(role, f"loading {role} model")
     _loading.setdefault(role, StatusLine()).show(frac, f"{what} {int(frac * 100):3d}%")
     if frac >= 1.0:

@@ -169,6 +169,7 @@ def serve(
 def info() -> None:
     """This machine and the llama.cpp build in use: flavor, features, CPU, where models and tuned
     choices live. Tuned choices are kept per machine and build: one made on another is not used."""
+    from ..decode.attention import GAIN, stored_choices
     from ..decode.costs import PROMPT_GAIN, stored_prompt_gains
     from ..llama import default_threads, rpc
     from ..machine import build, cpu_name, has_amx, machine_key, versions
@@ -189,10 +190,14 @@ def info() -> None:
     others = sorted(p.name for p in tuned_dir().glob("*.choice.json") if machine_key() not in p.name)
     typer.echo(f"tuned choices: {tuned_dir()}; for this machine and build: {', '.join(mine) or 'none'}"
                + (f"; {len(others)} made elsewhere (not used here)" if others else ""))
-    auto = all_stored()
+    auto, choices = all_stored(), stored_choices()
     typer.echo(f"automatic weight formats for this machine and build: {'none yet' if not auto else ''}")
     for c in auto:
         typer.echo(f"  {c.source}: {c.format} ({c.reason}; {c.date})")
+    typer.echo("flash attention for this machine and build: " + ("none measured yet" if not choices else ""))
+    for name, on, gain, threads in choices:
+        typer.echo(f"  {name} ({threads} threads): {gain:.2f}x as fast without it, so "
+                   + ("on" if on else "off") + f" (off from {GAIN}x)")
     gains = stored_prompt_gains()
     typer.echo("prefill helper (prompts on an unrepacked copy) for this machine and build: "
                + ("none measured yet" if not gains else ""))

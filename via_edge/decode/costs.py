@@ -30,7 +30,7 @@ import numpy as np
 
 from ..errors import ViaEdgeError
 from ..files import write_json
-from ..llama import LlamaModel
+from ..llama import LlamaModel, LoadParams
 from ..llama.prefill import Prefiller
 from ..llama.runtime import default_threads
 from ..machine import machine_key
@@ -175,25 +175,27 @@ def _points(model: LlamaModel) -> tuple[list[int], int]:
 
 def _path(model: LlamaModel) -> Path:
     batches, context = _points(model)
+    # without flash attention batches cost otherwise (decode/attention.py); on is llama.cpp's default
+    attention = "--nofa" if model.params.flash_attn is False else ""
     return model_dir() / "tuned" / (f"batch-cost--{sha256_cached(model.path)[:16]}--{machine_key()}"
-                                    f"--t{_threads(model)}--n{batches[-1]}c{context}.json")
+                                    f"--t{measured_threads(model.params)}--n{batches[-1]}c{context}{attention}.json")
 
 
-def _threads(model: LlamaModel) -> int:
+def measured_threads(params: LoadParams) -> int:
     """The threads a measurement ran on: the default's count, so that a default engine and one
     asked for as many threads read the same measurement (two noisy measurements of one setting
     could disagree: the `generate` default with a prefill helper and a 2-thread bench without)."""
-    return model.params.n_threads or default_threads()
+    return params.n_threads or default_threads()
 
 
-def _calibration_tokens(model: LlamaModel) -> list[int]:
+def calibration_tokens(model: LlamaModel) -> list[int]:
     """Real code to decode while measuring (the perplexity text), as `model` tokenizes it."""
     text = (files("via_edge") / "data" / "perplexity" / "textwrap.py.txt").read_text()
     return model.tokenize(text, add_special=False)
 
 
 @contextmanager
-def _reported(progress: Callable[[float], None] | None) -> Iterator[None]:
+def reported(progress: Callable[[float], None] | None) -> Iterator[None]:
     """0 before a measurement and 1 after it, for the status line."""
     if progress is not None:
         progress(0.0)
@@ -203,7 +205,7 @@ def _reported(progress: Callable[[float], None] | None) -> Iterator[None]:
 
 
 @contextmanager
-def _untallied(*models: LlamaModel) -> Iterator[None]:
+def untallied(*models: LlamaModel) -> Iterator[None]:
     """A measurement is no one's generation: every usage counter of `models` as it was before."""
     before = [(m, replace(m.usage), [replace(s.usage) for s in m.seqs]) for m in models]
     try:
@@ -218,9 +220,9 @@ def _untallied(*models: LlamaModel) -> Iterator[None]:
 def measure_verification(model: LlamaModel, repeats: int = 3) -> dict[int, float]:
     """Median seconds of one decode of n tokens after VERIFY_CONTEXT tokens, for n in
     VERIFY_BATCHES (as many of both as a small context window holds)."""
-    fill = _calibration_tokens(model)
+    fill = calibration_tokens(model)
     batches, context = _points(model)
-    with _untallied(model):
+    with untallied(model):
         table = measure({"target": model}, fill, batches=batches, contexts=(context,), repeats=repeats)
         model.reset()
     return dict(zip(batches, table.table["target"][0]))
@@ -239,7 +241,7 @@ def batch_cost(model: LlamaModel, progress: Callable[[float], None] | None = Non
     try:
         seconds = {int(n): float(s) for n, s in json.loads(path.read_text())["seconds"].items()}
     except (OSError, ValueError, KeyError):
-        with _reported(progress):
+        with reported(progress):
             seconds = measure_verification(model)
         try:
             store(model, seconds)
@@ -275,17 +277,17 @@ PROMPT_GAIN = 1.15  # prompts go to the unrepacked copy where they decode at lea
 
 def _prompt_path(model: LlamaModel) -> Path:
     return model_dir() / "tuned" / (f"prompt-layout--{sha256_cached(model.path)[:16]}--{machine_key()}"
-                                    f"--t{_threads(model)}.json")
+                                    f"--t{measured_threads(model.params)}.json")
 
 
 def measure_prompts(model: LlamaModel, copies: Mapping[str, LlamaModel], repeats: int = 3) -> dict:
     """Median seconds of one prompt decode (up to 128 tokens) on `model` ("repacked") and on each
     of its unrepacked `copies`, interleaved."""
-    fill = _calibration_tokens(model)
+    fill = calibration_tokens(model)
     n = min(128, model.n_ctx // 2, len(fill))
     pairs = [("repacked", model), *copies.items()]
     seconds: dict[str, list[float]] = {name: [] for name, _ in pairs}
-    with _untallied(model, *copies.values()):
+    with untallied(model, *copies.values()):
         for rep in range(repeats):
             k = rep % len(pairs)
             for name, m in pairs[k:] + pairs[:k]:
@@ -341,7 +343,7 @@ def prompt_helper(model: LlamaModel, progress: Callable[[float], None] | None = 
     if d is not None and (source is None or "source_plain" in d):
         copy, gain = _best_copy(d, source is not None)
         return None if gain < PROMPT_GAIN else Prefiller(model, source if copy == "source_plain" else None)
-    with _reported(progress):
+    with reported(progress):
         copies = {"plain": Prefiller(model), **({"source_plain": Prefiller(model, source)} if source else {})}
         seconds = measure_prompts(model, {k: p.helper for k, p in copies.items()})
     try:

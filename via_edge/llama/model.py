@@ -35,9 +35,10 @@ _KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}  # ggml_type values
 _U8P = ctypes.POINTER(ctypes.c_uint8)  # what llama.cpp's state calls take
 
 # What makes a multi-token batch compute exactly what single-token decodes compute (see LoadParams
-# and docs/benchmarks.md, "kernels"). Quantized models: no weight repacking, and batches of at most
-# 7 tokens (llama.cpp's defaults otherwise). F32 models: also an F32 KV cache and no flash attention.
-EXACT = {"use_extra_bufts": False}
+# and docs/benchmarks.md, "kernels"). Quantized models: no weight repacking, flash attention, and
+# batches of at most 7 tokens, within 256 tokens of context (docs/design.md, "Exactness and kernels").
+# F32 models: also an F32 KV cache and no flash attention.
+EXACT = {"use_extra_bufts": False, "flash_attn": True}
 EXACT_F32 = {"use_extra_bufts": False, "kv_type": "f32", "flash_attn": False}
 
 
