@@ -60,8 +60,8 @@ def test_the_first_load_measures_both_and_keeps_the_faster(fresh, monkeypatch):
     assert [m.params.flash_attn for m in again] == [got["flash_attn"]]
 
 
-@pytest.mark.parametrize("on_seconds, off", [(1.0, False), (1.02, False), (1.03, True), (1.5, True)])
-def test_flash_attention_goes_off_from_three_percent_faster(fresh, monkeypatch, on_seconds, off):
+@pytest.mark.parametrize("on_seconds, off", [(1.0, False), (1.04, False), (1.05, True), (1.5, True)])
+def test_flash_attention_goes_off_from_five_percent_faster(fresh, monkeypatch, on_seconds, off):
     monkeypatch.setattr(attention, "MIN_BYTES", 0)
     monkeypatch.setattr(attention, "measure", lambda on, o: {"context": 256, "on": on_seconds, "off": 1.0})
     opened, open_model = recorder(fresh)

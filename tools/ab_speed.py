@@ -13,8 +13,9 @@ processes still differ (section 53: the same decodes ran 1.01-1.14x between two 
 side by side): read the spread, and `--per-prompt` for whether the work changed. Each prompt runs
 greedily from a cold cache (an agent row's earlier requests first, untimed, so its copy memory
 holds their answers as in `via-edge bench`). Reported per mode: the new checkout's tok/s over the base's, per prompt
-(geomean, min-max over prompts and rounds), and each checkout's share of wall time spent outside
-llama_decode (the Python the loop adds).
+(geomean, min-max over prompts and rounds), each checkout's share of wall time spent outside
+llama_decode (the Python the loop adds), and how many answers of the first round are token for token
+the base's, and `ar`'s (a change of kernels can change greedy answers at near-ties).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pathlib import Path
 
 # run in the child, with the checkout first on sys.path: only what every version has is used
 CHILD = r"""
-import json, sys
+import hashlib, json, sys
 from via_edge import Engine
 from via_edge.bench.suite import prompts_in_turn
 a = json.loads(sys.argv[1])
@@ -44,9 +45,11 @@ with Engine(a["target"], mode=a["mode"], n_ctx=4096) as engine:
         engine.reset()
         for before in p.earlier:
             engine.generate(before, max_tokens=a["n"])
-        s = engine.generate(p.text, max_tokens=a["n"]).stats
+        res = engine.generate(p.text, max_tokens=a["n"])
+        s = res.stats
         decode = s.target.seconds + s.draft.seconds + s.slim.seconds
-        print(json.dumps({"id": p.id, "tok_s": s.tokens_per_second, "tokens": s.generated_tokens,
+        answer = hashlib.sha256(json.dumps(res.tokens).encode()).hexdigest()[:16]
+        print(json.dumps({"id": p.id, "tok_s": s.tokens_per_second, "tokens": s.generated_tokens, "answer": answer,
                           "calls": s.target.calls, "rows": s.target.tokens,
                           "python": 1 - decode / (s.prefill_seconds + s.generate_seconds)}), flush=True)
 """
@@ -85,6 +88,11 @@ class Child:
         self.proc.stdin.close()
         self.proc.wait()
         self.log.close()
+
+
+def _equal(a: list[dict], b: list[dict]) -> str:
+    """How many of the first round's greedy answers two processes share, token for token."""
+    return f"{sum(x['answer'] == y['answer'] for x, y in zip(a, b))} of {len(a)}"
 
 
 def main() -> None:
@@ -126,16 +134,19 @@ def main() -> None:
     print(f"target {Path(args.target).name}, suite {args.suite}{cats}, {args.prompts} prompts x {args.n} tokens, "
           f"{args.rounds} rounds; base {checkouts['base']}, new {checkouts['new']}")
     print("| mode | new / base tok/s (geomean, min-max) | base tok/s (median) | new tok/s (median) "
-          "| outside llama_decode, base / new |")
-    print("| --- | --- | --- | --- | --- |")
+          "| outside llama_decode, base / new | answers equal to base's | equal to `ar`'s, base / new |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for mode in args.modes.split(","):
         base, new = got[("base", mode)], got[("new", mode)]
         ratios = [n["tok_s"] / b["tok_s"] for rb, rn in zip(base, new) for b, n in zip(rb, rn)]
         med = {k: statistics.median(x["tok_s"] for rs in got[(k, mode)] for x in rs) for k in checkouts}
         py = {k: statistics.median(x["python"] for rs in got[(k, mode)] for x in rs) for k in checkouts}
         geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        same = _equal(base[0], new[0])
+        vs_ar = (" / ".join(_equal(got[(k, "ar")][0], got[(k, mode)][0]) for k in checkouts)
+                 if mode != "ar" and ("base", "ar") in got else "")
         print(f"| {mode} | {geo:.3f}x ({min(ratios):.3f}-{max(ratios):.3f}) | {med['base']:.1f} | {med['new']:.1f} "
-              f"| {py['base']:.1%} / {py['new']:.1%} |")
+              f"| {py['base']:.1%} / {py['new']:.1%} | {same} | {vs_ar} |")
     if args.per_prompt:
         print("\n| mode | prompt | new / base tok/s per round | target calls, base / new | rows verified, base / new |")
         print("| --- | --- | --- | --- | --- |")
