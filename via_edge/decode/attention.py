@@ -36,8 +36,9 @@ STEPS, ROWS = 8, 16  # one measurement: 8 single steps (plain decoding) and one 
 # single decodes also within the first 256 tokens (lossless modes then match `ar` up to rounding
 # there too, section 69): a gain inside the measurement's noise is not worth that.
 GAIN = 1.05
-# Smaller files keep llama.cpp's default (on) unmeasured: a step of SmolLM2-135M (100 MB) costs 11 ms
-# here, attention's share of it well under one, and the test suite's models stay on one setting.
+# Smaller files keep llama.cpp's default (on) unmeasured: a second load and two 512-token prefills
+# are not worth it for a model whose step costs 11 ms (SmolLM2-135M, 100 MB, on the Zen 3 EPYC),
+# and the test suite's models stay on one setting.
 MIN_BYTES = 300_000_000
 
 
