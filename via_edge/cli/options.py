@@ -100,7 +100,7 @@ RUN_OPTS = (
     Opt("threads", Optional[int], None, "CPU threads (default: all cores).", lo=1, hi=1024),
     Opt("gpu_layers", int, -1, "Layers to offload to Metal/GPU (-1: all; CPU builds ignore it).", lo=-1, hi=100000),
     Opt("flash_attn", Optional[bool], None, "Flash attention. Default: whichever decodes the target faster here, "
-        "measured once per model file (on for --exact and for files under 300 MB).", ("--flash-attn/--no-flash-attn",)),
+        "measured once per model file (on with --exact; llama.cpp's default for files under 300 MB).", ("--flash-attn/--no-flash-attn",)),
     Opt("exact", bool, False, "No weight repacking: verification batches of up to 7 tokens then compute exactly "
         "what single decodes do, so greedy sd (n_draft <= 6) equals ar (slower).", ("--exact",)),
     Opt("kv_type", str, "f16", "KV cache type: f16, f32 or q8_0."),
