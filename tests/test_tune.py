@@ -304,6 +304,24 @@ def test_tune_choice_across_formats_needs_quality_and_margins():
     assert final is base and "chose ar" in why
 
 
+def test_profile_reads_are_bilinear_at_every_point_asked():
+    """Reads are remembered (the replay asks the same points hundreds of thousands of times):
+    each (model, n, ctx) must still get its own value, within and beyond the measured grid."""
+    from via_edge.decode.costs import CostProfile
+
+    prof = CostProfile([1, 4], [100, 300], {"target": [[1.0, 4.0], [3.0, 12.0]], "draft": [[0.5, 0.5], [0.5, 0.5]]},
+                       {"target": 4, "draft": 2})
+    points = [("target", 1, 100, 1.0), ("target", 1, 200, 2.0), ("target", 4, 200, 8.0), ("target", 2, 100, 2.0),
+              ("target", 2, 300, 6.0), ("target", 8, 100, 8.0), ("target", 1, 500, 5.0), ("draft", 1, 200, 0.5)]
+    for _ in range(2):
+        for model, n, ctx, want in points:
+            assert prof.cost(model, n, ctx) == pytest.approx(want), (model, n, ctx)
+    fast = prof.scaled({1: 0.5, 4: 0.25})  # the draft keeps its own costs
+    for model, n, ctx, want in points * 2:
+        ratio = 1.0 if model == "draft" else float(np.interp(n, [1, 4], [0.5, 0.25]))
+        assert fast(model, n, ctx) == pytest.approx(want * ratio), (model, n, ctx)
+
+
 def test_predicted_agreement():
     assert predicted_agreement(0.0, 128) == 1.0
     assert predicted_agreement(0.5, 2) == pytest.approx((0.5 + 0.25) / 2)

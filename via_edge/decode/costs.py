@@ -16,6 +16,7 @@ how well that holds.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import statistics
@@ -55,6 +56,10 @@ class CostProfile:
     blocks: dict[str, int]           # blocks of each measured model ("target", "draft", "slim-K")
     meta: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # the tuner's replay prices half a million calls from a few thousand distinct (model, n, ctx)
+        self._memo: dict[tuple[str, int, int], float] = {}
+
     @classmethod
     def from_dict(cls, data: Mapping) -> "CostProfile":
         return cls(list(data["batches"]), list(data["contexts"]), dict(data["table"]), dict(data["blocks"]),
@@ -70,17 +75,26 @@ class CostProfile:
         was profiled in its own chosen format)."""
         ns = sorted(ratios)
         ys = [ratios[n] for n in ns]
+        memo: dict[tuple[str, int, int], float] = {}
 
         def cost(model: str, n: int, ctx: int) -> float:
-            base = self.cost(model, n, ctx)
-            return base if model == "draft" else base * float(np.interp(n, ns, ys))
+            c = memo.get((model, n, ctx))
+            if c is None:
+                base = self.cost(model, n, ctx)
+                c = memo[model, n, ctx] = base if model == "draft" else base * float(np.interp(n, ns, ys))
+            return c
         return cost
 
     def cost(self, model: str, n: int, ctx: int) -> float:
         """Seconds for one call of `model` ("target", "draft" or "slim-K" for a K-block slim)."""
-        if model.startswith("slim-") and model not in self.table:
-            return self.slim_cost(int(model[5:]), n, ctx)
-        return _bilinear(np.asarray(self.table[model]), self.contexts, self.batches, ctx, n)
+        c = self._memo.get((model, n, ctx))
+        if c is None:
+            if model.startswith("slim-") and model not in self.table:
+                c = self.slim_cost(int(model[5:]), n, ctx)
+            else:
+                c = _bilinear(self.table[model], self.contexts, self.batches, ctx, n)
+            self._memo[model, n, ctx] = c
+        return c
 
     def slim_cost(self, blocks: int, n: int, ctx: int) -> float:
         """A K-block slim, interpolated between measured slims and the target by block count."""
@@ -115,12 +129,12 @@ def _interp_extrap(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
     elif x >= xs[-1]:
         i = len(xs) - 2
     else:
-        i = int(np.searchsorted(xs, x)) - 1
+        i = bisect.bisect_left(xs, x) - 1
     x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
-def _bilinear(table: np.ndarray, contexts: Sequence[int], batches: Sequence[int], ctx: int, n: int) -> float:
+def _bilinear(table: Sequence[Sequence[float]], contexts: Sequence[int], batches: Sequence[int], ctx: int, n: int) -> float:
     by_ctx = [_interp_extrap(n, batches, row) for row in table]
     return _interp_extrap(ctx, contexts, by_ctx)
 
