@@ -249,13 +249,14 @@ def build_f32(source: str | os.PathLike) -> Path:
     import gguf
 
     source = Path(source)
-    reader = open_reader(source)
-    arch = field_value(reader, "general.architecture")
+    scan_header(source)  # a missing or damaged file says so here, before any hashing
     parent = derived_dir(source)
     dest = parent / f"{source.stem}.f32-{sha256_cached(source)[:12]}.gguf"
     if dest.exists():
-        return dest
+        return dest  # without gguf-py's reader, which parses the vocabulary for seconds
     writable_dir(parent, f"the F32 copy of {source.name}")
+    reader = open_reader(source)
+    arch = field_value(reader, "general.architecture")
     tmp = dest.with_name(dest.name + ".partial")
     writer = gguf.GGUFWriter(str(tmp), arch)
     for fld in reader.fields.values():

@@ -105,13 +105,13 @@ def build_slim(target: str | os.PathLike, spec: str, out: str | os.PathLike | No
     import gguf
 
     target = Path(target)
-    reader = open_reader(target)
-    arch = field_value(reader, "general.architecture")
-    n_block = int(field_value(reader, f"{arch}.block_count") or 0)
+    fields, _ = scan_header(target)  # cached: gguf-py's reader parses the vocabulary for seconds (15 s for Qwen's)
+    arch = fields.get("general.architecture")
+    n_block = int(fields.get(f"{arch}.block_count") or 0)
     if n_block <= 0:
         raise ModelFileError(f"{target} has no {arch}.block_count")
     layers = parse_layers(spec, n_block)
-    nextn = int(field_value(reader, f"{arch}.nextn_predict_layers") or 0)
+    nextn = int(fields.get(f"{arch}.nextn_predict_layers") or 0)
     check_supported(arch, n_block, layers, nextn)
     sha = target_sha256(target)
     dest = Path(out) if out else slim_path(target, layers, sha)
@@ -122,6 +122,7 @@ def build_slim(target: str | os.PathLike, spec: str, out: str | os.PathLike | No
             raise ModelFileError(f"{dest} exists and is not the slim {format_layers(layers)} of {target.name}; "
                                  "remove it or choose another --out")
     writable_dir(dest.parent, f"the slim {format_layers(layers)} of {target.name}")
+    reader = open_reader(target)
     tmp = dest.with_name(dest.name + ".partial")
     renumber = {old: new for new, old in enumerate(layers)}
 
