@@ -39,7 +39,7 @@ from .tasks import passes
 WARMUP = "Say hello in one short sentence."
 VARIANTS = ("predicted", "nomemory")  # what `--modes` may add to a mode after ":"
 QUICK = dict(pair="smollm2", per_category=1, max_tokens=32,
-             categories=["coding", "summarization", "translation", "math_reasoning"])
+             categories=["coding", "extraction", "translation", "math_reasoning"])
 
 
 @dataclass
