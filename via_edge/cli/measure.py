@@ -96,7 +96,7 @@ def bench(
     max_tokens: int = typer.Option(128, "--max-tokens", "-n"),
     out: Path = typer.Option(Path("bench-out"), help="Folder for results.json, report.md, speedup.png."),
     quick: bool = typer.Option(False, help="SmolLM2-135M (F32 copy, exact kernels) with a slim of itself "
-                               "as draft, 4 prompts: about a minute."),
+                               "as draft, 4 prompts: about two minutes on 2 cores."),
     peers: bool = typer.Option(True, "--peers/--no-peers", help="Also measure llama-cpp-python's Llama."),
     peer: Optional[List[str]] = typer.Option(None, help="Only these peers (repeatable): llama-cpp-python, "
                                              "llama-cpp-python-lookup (the default two), llama-server, "
