@@ -36,7 +36,7 @@ def models_list() -> None:
                "(`models rm FILE`, `models prune` deletes those no stored choice uses)")
     for d in files:
         use = f"  in use: {used[d.path]}" if d.path in used else ""
-        typer.echo(f"  {d.size / 1e9:5.2f} GB  {d.kind:20s} of {derived.source_name(d.source):28s} {d.path}{use}")
+        typer.echo(f"  {d.size / 1e9:5.2f} GB  {d.kind:20s} of {derived.source_name(d.source, files):28s} {d.path}{use}")
 
 
 @models_app.command("rm")

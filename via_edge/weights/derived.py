@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from ..errors import ViaEdgeError
 from ..tune.store import all_choices
@@ -57,11 +58,15 @@ def derived_files() -> list[Derived]:
     return found
 
 
-def source_name(sha: str) -> str:
-    """The catalog model (or derived file) a SHA-256 belongs to, for display."""
+def source_name(sha: str, files: Sequence[Derived] = ()) -> str:
+    """The catalog model a SHA-256 belongs to, or the derived file among `files` (a slim of the
+    automatic format is cut from its `q4_0`), for display; else the SHA-256's first digits."""
     for e in catalog.entries():
         if e.sha256.startswith(sha):
             return e.name
+    for d in files:
+        if (catalog.known_sha256(d.path) or "").startswith(sha):  # remembered when the slim was cut: nothing hashed
+            return f"{d.kind.removeprefix('format ')} of {source_name(d.source)}"
     return sha[:12]
 
 
