@@ -334,7 +334,7 @@ def test_llama_server_peers_run_on_the_same_prompts_and_weights(tmp_path):
         pytest.skip("llama-server is not built here: bash tools/build_llama_server.sh (a few minutes, once)")
     out = tmp_path / "run"
     proc = cli("bench", "--pair", "smollm2", "--modes", "ar", "--peer", "llama-server", "--peer", "llama-server-ngram",
-               "--peer", "llama-server-ngram-simple", "--categories", "coding,summarization", "-n", 24, "--out", out)
+               "--peer", "llama-server-ngram-simple", "--categories", "coding,extraction", "-n", 24, "--out", out)
     assert proc.returncode == 0, proc.stderr
     res = json.loads((out / "results.json").read_text())
     assert res["meta"]["methods"] == ["ar", "llama-server", "llama-server-ngram", "llama-server-ngram-simple"]
@@ -345,7 +345,7 @@ def test_llama_server_peers_run_on_the_same_prompts_and_weights(tmp_path):
     # on long prompts a near tie can therefore start the answers differently)
     from via_edge import Engine
 
-    prompts = {p.id: p.text for p in load_prompts("spec-bench", ["coding", "summarization"], 1)}
+    prompts = {p.id: p.text for p in load_prompts("spec-bench", ["coding", "extraction"], 1)}
     with Engine(res["meta"]["models"]["target"]["path"], mode="ar", n_ctx=4096) as engine:
         for peer in ("llama-server", "llama-server-ngram", "llama-server-ngram-simple"):
             for r in by[peer]:
