@@ -10,7 +10,7 @@ import sys
 import pytest
 from conftest import interruptible
 
-from via_edge.bench.metrics import fidelity, geomean, spread
+from via_edge.bench.metrics import fidelity, geomean, log_se, spread
 from via_edge.bench.suite import load_prompts, packaged_rows, prompts_in_turn
 from via_edge.errors import InvalidParameterError
 
@@ -44,6 +44,36 @@ def test_whole_requests_against_a_peer_count_the_prompt_too():
     summary = summarize(results)
     assert summary["ar"]["vs_peers"]["llama-server"]["speedup"] == pytest.approx(1.0)
     assert summary["ar"]["request_vs_peers"]["llama-server"]["speedup"] == pytest.approx(1.5)  # 6 s / 4 s, 3 s / 2 s
+
+
+def test_rounds_pair_each_run_with_ar_in_the_same_round():
+    """Two rounds of one prompt: sd is twice ar's speed in each, though round 2 ran twice as fast
+    as round 1 (a quieter machine). Pairing by prompt alone would mix the rounds."""
+    from via_edge.bench.report import summarize
+
+    def run(method, rnd, tok_s):
+        return {"method": method, "prompt_id": "a", "round": rnd, "category": "qa", "tokens": [1, 2],
+                "tok_s": tok_s, "prefill_s": 1.0, "gen_s": 2 / tok_s}
+
+    runs = [run("ar", 0, 10.0), run("sd", 0, 20.0), run("sd", 1, 40.0), run("ar", 1, 20.0)]
+    summary = summarize({"meta": {"methods": ["ar", "sd"], "formats": {}}, "runs": runs})["sd"]
+    assert summary["speedup"] == pytest.approx(2.0) and summary["speedup_se"] == pytest.approx(0.0)
+    assert (summary["prompts"], summary["rounds"]) == (1, 2)
+    assert summary["per_category"]["qa"] == pytest.approx(2.0)
+
+
+def test_log_se_is_the_standard_error_of_the_mean_log():
+    assert log_se([math.exp(0.1), math.exp(-0.1)]) == pytest.approx(0.1)  # sd 0.1414 over sqrt(2)
+    assert log_se([2.0, 2.0, 2.0]) == 0.0
+    assert math.isnan(log_se([1.5])) and math.isnan(log_se([1.0, 0.0]))
+
+
+def test_rounds_out_of_range_are_refused():
+    from via_edge.bench.runner import BenchConfig
+
+    for bad in (0, 101):
+        with pytest.raises(InvalidParameterError, match="--rounds must be 1..100"):
+            BenchConfig(modes=["ar"], peers=[], rounds=bad).validate()
 
 
 def test_spec_bench_selection_is_fixed():
@@ -217,6 +247,41 @@ def test_predicted_and_memory_variants_and_agent_sequences(tmp_path, smollm2, mo
     assert all(r["stats"]["memory_draft_n"] == 0 for r in res["runs"] if r["method"] == "lookup:nomemory")
     bad = cli("bench", "--quick", "--modes", "ar,lookup:fast", "--out", tmp_path / "bad")
     assert bad.returncode == 2 and "unknown variant(s) lookup:fast" in bad.stderr
+
+
+@pytest.mark.slow
+def test_rounds_rotate_the_order_and_start_from_the_memory_the_prompt_found(tmp_path, smollm2, monkeypatch):
+    """`--rounds 2`: each method runs twice on every prompt and goes first once. A later round
+    starts from the copy memory its prompt found: `lookup` repeating a request would copy its own
+    round-1 answer from the first token (the next row shows the memory does hold answers), so
+    on the first row it drafts nothing from the memory in either round, and on the second the
+    same in both. Flat cost profile and exact kernels, as in the test above."""
+    from via_edge.decode import costs
+    from via_edge.llama import EXACT, LlamaModel, LoadParams, default_threads
+
+    monkeypatch.setenv("VIA_EDGE_MODEL_DIR", str(tmp_path / "models"))
+    with LlamaModel(smollm2, LoadParams(n_ctx=4096, n_threads=default_threads(), **EXACT)) as model:
+        costs.store(model, {n: 0.01 for n in costs.VERIFY_BATCHES})
+    ask = "Repeat this code exactly:\n\ndef add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+    suite = tmp_path / "rows.jsonl"
+    suite.write_text("".join(json.dumps({"id": i, "category": i, "prompt": ask}) + "\n" for i in ("first", "next")))
+    out = tmp_path / "run"
+    proc = cli("bench", "--pair", "smollm2", "--suite", suite, "--modes", "ar,lookup", "--no-peers", "--exact",
+               "--copy-max", 6, "-n", 40, "--rounds", 2, "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads((out / "results.json").read_text())
+    run = {(r["method"], r["prompt_id"], r["round"]): r for r in res["runs"]}
+    assert len(res["runs"]) == len(run) == 2 * 2 * 2
+    for pid in ("first", "next"):
+        assert {run["ar", pid, 0]["order"], run["ar", pid, 1]["order"]} == {0, 1}
+    memory = {(pid, rnd): run["lookup", pid, rnd]["stats"]["memory_draft_n"] for pid in ("first", "next") for rnd in (0, 1)}
+    assert memory["first", 0] == memory["first", 1] == 0
+    assert memory["next", 0] == memory["next", 1] > 0
+    summary = res["summary"]["lookup"]
+    ratios = [run["lookup", p, k]["tok_s"] / run["ar", p, k]["tok_s"] for p in ("first", "next") for k in (0, 1)]
+    assert (summary["prompts"], summary["rounds"]) == (2, 2)
+    assert summary["speedup"] == pytest.approx(geomean(ratios)) and summary["speedup_se"] == pytest.approx(log_se(ratios))
+    assert "x 2 rounds" in (out / "report.md").read_text()
 
 
 @pytest.mark.slow

@@ -67,7 +67,7 @@ def answers(engine: Engine, suite: str, path: str, agents: bool) -> list[tuple[l
         return made[text]
     return [(engine.tokens_for(prompts[r["prompt_id"]].text, chat_template=True), _answer(engine, r["tokens"]),
              [earlier(text) for text in prompts[r["prompt_id"]].earlier] if agents else [])
-            for r in data["runs"] if r["method"] == "ar" and r["prompt_id"] in prompts]
+            for r in data["runs"] if r["method"] == "ar" and r["prompt_id"] in prompts and r.get("round", 0) == 0]
 
 
 def _answer(engine: Engine, tokens: list[int]) -> list[int]:

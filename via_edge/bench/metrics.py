@@ -15,6 +15,16 @@ def geomean(values: Sequence[float]) -> float:
     return math.exp(sum(math.log(v) for v in vals) / len(vals))
 
 
+def log_se(values: Sequence[float]) -> float:
+    """Standard error of the mean log of positive ratios: the geomean's uncertainty, as a factor's
+    logarithm (0.01 is about +-1%). NaN below two values."""
+    vals = [math.log(v) for v in values if v > 0]
+    if len(vals) < 2 or len(vals) != len(values):
+        return float("nan")
+    mean = sum(vals) / len(vals)
+    return math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1) / len(vals))
+
+
 def spread(values: Sequence[float]) -> dict:
     """Per-prompt min / median / max."""
     if not values:

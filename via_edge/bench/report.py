@@ -10,18 +10,23 @@ from .. import plotting
 from ..decode.modes import LOSSLESS
 from ..errors import InvalidParameterError
 from ..files import write_text
-from .metrics import fidelity, geomean, spread
+from .metrics import fidelity, geomean, log_se, spread
 from .metrics import fmt as _f
 from .peers import PEERS
 from .tasks import mcnemar
 
 
+def key(run: dict) -> tuple[str, int]:
+    """What pairs two methods' runs: the prompt and the round (results before rounds had one)."""
+    return run["prompt_id"], run.get("round", 0)
+
+
 def summarize(results: dict) -> dict:
     runs = results["runs"]
     methods = results["meta"]["methods"]
-    refs = {m: {r["prompt_id"]: r for r in runs if r["method"] == m} for m in ("ar", "ar:json")}
+    refs = {m: {key(r): r for r in runs if r["method"] == m} for m in ("ar", "ar:json")}
     formats = results["meta"].get("formats", {})
-    peers = {p: {r["prompt_id"]: r for r in runs if r["method"] == p} for p in methods
+    peers = {p: {key(r): r for r in runs if r["method"] == p} for p in methods
              if p.partition("@")[0] in PEERS}  # "llama-server@shipped": a peer on another format
     peers = {p: by_prompt for p, by_prompt in peers.items() if by_prompt}
     summary = {}
@@ -29,19 +34,20 @@ def summarize(results: dict) -> dict:
         # constrained answers (<mode>:json) are compared with ar's constrained answer, the rest with ar's
         ar = refs["ar:json"] if method.endswith(":json") else refs["ar"]
         mine = [r for r in runs if r["method"] == method]
-        ratios = [r["tok_s"] / ar[r["prompt_id"]]["tok_s"] for r in mine if ar[r["prompt_id"]]["tok_s"] > 0]
-        fid = [fidelity(ar[r["prompt_id"]]["tokens"], r["tokens"]) for r in mine]
+        ratios = [r["tok_s"] / ar[key(r)]["tok_s"] for r in mine if ar[key(r)]["tok_s"] > 0]
+        fid = [fidelity(ar[key(r)]["tokens"], r["tokens"]) for r in mine]
         cats, cat_agreement = defaultdict(list), defaultdict(list)
         for r, f in zip(mine, fid):
             cat_agreement[r["category"]].append(f["agreement"])
-            if ar[r["prompt_id"]]["tok_s"] > 0:
-                cats[r["category"]].append(r["tok_s"] / ar[r["prompt_id"]]["tok_s"])
+            if ar[key(r)]["tok_s"] > 0:
+                cats[r["category"]].append(r["tok_s"] / ar[key(r)]["tok_s"])
         entry = {
-            "prompts": len(mine),
+            "prompts": len({r["prompt_id"] for r in mine}), "rounds": len({r.get("round", 0) for r in mine}),
             "tok_s": spread([r["tok_s"] for r in mine]),
             "prefill_s": spread([r["prefill_s"] for r in mine]),
-            "speedup": geomean(ratios), "speedup_spread": spread(ratios),
+            "speedup": geomean(ratios), "speedup_spread": spread(ratios), "speedup_se": log_se(ratios),
             "per_category": {c: geomean(v) for c, v in cats.items()},
+            "per_category_se": {c: log_se(v) for c, v in cats.items()},
             "per_category_agreement": {c: sum(v) / len(v) for c, v in cat_agreement.items()},
             "fidelity": {
                 "exact_rate": sum(f["exact"] for f in fid) / len(fid) if fid else float("nan"),
@@ -56,11 +62,10 @@ def summarize(results: dict) -> dict:
         }
         # the same ratios against what users already have: llama-cpp-python on the shipped file
         for p, by_prompt in peers.items():
-            vs = [r["tok_s"] / by_prompt[r["prompt_id"]]["tok_s"] for r in mine
-                  if by_prompt[r["prompt_id"]]["tok_s"] > 0]
-            entry.setdefault("vs_peers", {})[p] = {"speedup": geomean(vs), "spread": spread(vs)}
+            vs = [r["tok_s"] / by_prompt[key(r)]["tok_s"] for r in mine if by_prompt[key(r)]["tok_s"] > 0]
+            entry.setdefault("vs_peers", {})[p] = {"speedup": geomean(vs), "spread": spread(vs), "se": log_se(vs)}
             # the whole request as a user waits for it: the prompt's decode, then the answer
-            whole = [request_s(by_prompt[r["prompt_id"]]) / request_s(r) for r in mine if request_s(r) > 0]
+            whole = [request_s(by_prompt[key(r)]) / request_s(r) for r in mine if request_s(r) > 0]
             entry.setdefault("request_vs_peers", {})[p] = {"speedup": geomean(whole), "spread": spread(whole)}
             if "speedup_vs_peer" not in entry:  # the first peer present: the summary table's column
                 entry.update(peer=p, speedup_vs_peer=geomean(vs), speedup_vs_peer_spread=spread(vs))
@@ -85,15 +90,25 @@ def summarize(results: dict) -> dict:
                                   "seconds": round(sum(s[role]["seconds"] for s in stats), 3)}
                            for role in ("draft", "slim", "target")},
             })
-        checked = [r for r in mine if "passed" in r]
+        checked = [r for r in mine if "passed" in r and r.get("round", 0) == 0]  # greedy: one per problem
         if checked:  # task accuracy, paired with ar's answers to the same problems
             mine_by_id = {r["prompt_id"]: r["passed"] for r in checked}
-            both = [pid for pid in mine_by_id if "passed" in ar.get(pid, {})]
+            both = [pid for pid in mine_by_id if "passed" in ar.get((pid, 0), {})]
             entry["task"] = {"problems": len(checked), "passed": sum(mine_by_id.values()),
                              "pass_at_1": sum(mine_by_id.values()) / len(checked),
-                             "vs_ar": mcnemar([mine_by_id[p] for p in both], [ar[p]["passed"] for p in both])}
+                             "vs_ar": mcnemar([mine_by_id[p] for p in both], [ar[p, 0]["passed"] for p in both])}
         summary[method] = entry
     return summary
+
+
+def _pm(se: float | None) -> str:
+    """" ±0.01" for a standard error, nothing where there is none (one run, NaN)."""
+    return "" if se is None or se != se else f" ±{_f(se)}"
+
+
+def _rounds(meta: dict) -> str:
+    rounds = meta["params"].get("rounds", 1)
+    return f" x {rounds} rounds (each method's runs paired by round, order rotated)" if rounds > 1 else ""
 
 
 def request_s(run: dict) -> float:
@@ -149,17 +164,19 @@ def render_markdown(results: dict) -> str:
         "- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
         "- models: " + "; ".join(f"{role} {v['name']} ({v['blocks']} blocks, sha256 {v['sha256'][:12]})"
                                   for role, v in meta["models"].items()),
-        f"- prompts: {len(meta['prompts'])} ({', '.join(sorted({p['category'] for p in meta['prompts']}))}), "
+        f"- prompts: {len(meta['prompts'])} ({', '.join(sorted({p['category'] for p in meta['prompts']}))})"
+        f"{_rounds(meta)}, "
         f"max {meta['params']['max_tokens']} new tokens, greedy, chat template; kernels: "
         f"{'exact (no weight repacking)' if meta['params']['exact_kernels'] else 'fast (llama.cpp defaults)'}"
         f"{', F32 copies of the weights, F32 KV, no flash attention' if meta['params'].get('f32_weights') else ''}",
         *_attention_line(meta.get("attention", {})),
         *_spec_lines(meta["params"]),
         "",
-        "## Summary (speedup = geometric mean over prompts of tok/s ÷ `ar` tok/s on the same prompt)",
+        "## Summary (speedup = geometric mean over prompts of tok/s ÷ `ar` tok/s on the same prompt; "
+        "SE = standard error of its logarithm, 0.01 is about ±1%)",
         "",
-        f"| method | weights | tok/s median (min–max) | speedup | speedup min–max | vs {_first_peer(summary)} | exact match | identical prefix | token agreement | rejection rate | accepted/round |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| method | weights | tok/s median (min–max) | speedup | speedup min–max | SE | vs {_first_peer(summary)} | exact match | identical prefix | token agreement | rejection rate | accepted/round |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for method, s in summary.items():
         t, sp = s["tok_s"], s["speedup_spread"]
@@ -168,7 +185,8 @@ def render_markdown(results: dict) -> str:
         lines.append(
             f"| {method}{'' if s['lossless'] else ' (lossy)'} | {s.get('format', '')} "
             f"| {_f(t['median'], 1)} ({_f(t['min'], 1)}–{_f(t['max'], 1)}) "
-            f"| {_f(s['speedup'])}x | {_f(sp['min'])}–{_f(sp['max'])} | {vp} | {_f(s['fidelity']['exact_rate'])} "
+            f"| {_f(s['speedup'])}x | {_f(sp['min'])}–{_f(sp['max'])} | {_f(s.get('speedup_se'), 3)} | {vp} "
+            f"| {_f(s['fidelity']['exact_rate'])} "
             f"| {_f(s['fidelity']['prefix_share_mean'])} | {_f(s['fidelity']['agreement_mean'])} "
             f"| {_f(s.get('rejection_rate', float('nan')))} | {_f(s.get('mean_accepted_per_round', float('nan')))} |")
     tasks = {m: s["task"] for m, s in summary.items() if "task" in s}
@@ -182,10 +200,13 @@ def render_markdown(results: dict) -> str:
             lines.append(f"| {method} | {summary[method].get('format', '')} | {_f(t['pass_at_1'], 3)} "
                          f"| {t['passed']} / {t['problems']} | {v['a_only']} | {v['b_only']} | {_f(v['p_value'], 3)} |")
     cats = sorted({p["category"] for p in meta["prompts"]})
-    lines += ["", "## Speedup per category (geometric mean)", "",
+    lines += ["", "## Speedup per category (geometric mean, ± the standard error of its logarithm where a "
+              "category has two runs or more)", "",
               "| method | " + " | ".join(cats) + " |", "| --- |" + " --- |" * len(cats)]
     for method, s in summary.items():
-        lines.append(f"| {method} | " + " | ".join(_f(s["per_category"].get(c, float("nan"))) for c in cats) + " |")
+        ses = s.get("per_category_se", {})
+        lines.append(f"| {method} | " + " | ".join(
+            _f(s["per_category"].get(c, float("nan"))) + _pm(ses.get(c)) for c in cats) + " |")
     lines += ["", "## Token agreement with `ar` per category (mean)", "",
               "| method | " + " | ".join(cats) + " |", "| --- |" + " --- |" * len(cats)]
     for method, s in summary.items():

@@ -3,10 +3,13 @@
 Each prompt runs all methods back to back in an order rotated per prompt, so machine noise hits
 them alike; every model's KV cache is cleared before each run, so each run pays its own prefill;
 a warm-up prompt runs every method first and is not counted. Speedups are ratios to `ar` on the
-same prompt in the same run.
+same prompt in the same run. With `rounds` > 1 each prompt runs every method that many times, the
+order rotated again each round (with two methods each goes first once), and a ratio pairs the
+runs of one round: repeats where a shared machine's noise is larger than the effect measured.
 
 Each method keeps a copy memory of its own (decode/memory.py) across the run, as a server keeps
-its requests' answers: a method never drafts from another method's answer to the same prompt.
+its requests' answers: a method never drafts from another method's answer to the same prompt,
+nor from its own in an earlier round (each round starts from the memory the prompt found).
 Variants of a mode: `<mode>:predicted` sends a row's `prediction` (the file an edit rewrites, as
 editors send it), `<mode>:nomemory` runs without the copy memory. A row's `earlier` requests (an
 agent's sequence) run untimed before it on the same method, peers included.
@@ -63,6 +66,7 @@ class BenchConfig:
     f32: bool = False
     quick: bool = False
     copy_memory: int = DEFAULT_TOKENS  # each method's copy memory, in tokens (":nomemory": none)
+    rounds: int = 1  # runs of every method on every prompt, paired by round
     command: str = ""
 
     def validate(self) -> None:
@@ -89,6 +93,8 @@ class BenchConfig:
             raise InvalidParameterError("--modes lists a mode twice")
         if self.max_tokens < 1:
             raise InvalidParameterError("--max-tokens must be at least 1")
+        if not 1 <= self.rounds <= 100:
+            raise InvalidParameterError(f"--rounds must be 1..100, got {self.rounds}")
 
 
 class RunProgress:
@@ -210,26 +216,30 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
             results["summary"] = summarize(results)
             return results
 
-        bar = RunProgress(len(prompts) * len(methods), quiet)
+        bar = RunProgress(len(prompts) * len(methods) * cfg.rounds, quiet)
         runs: list[dict] = []
         done = 0  # prompts every method has run on: a partial result compares only those
         try:
             for i, prompt in enumerate(prompts):
                 tokens = prompt_tokens(engine, prompt)
-                order = methods[i % len(methods):] + methods[: i % len(methods)]
-                for position, method in enumerate(order):
-                    r = run_one(method, tokens, prompt)
-                    if prompt.check is not None:  # task accuracy: does the answer pass the unit tests?
-                        r["text"] = engine.target.detokenize(r["tokens"])
-                        r["passed"] = passes(prompt.check, r["text"])
-                    r.update(prompt_id=prompt.id, category=prompt.category, method=method, order=position,
-                             prompt_tokens=len(tokens), generated_tokens=len(r["tokens"]))
-                    runs.append(r)
-                    bar.step(f"{prompt.category}/{prompt.id} {method}")
+                found = {m: memories[m].copy() for m in methods}  # what every round of this prompt starts from
+                for rnd in range(cfg.rounds):
+                    if rnd:  # not the answers of the round before
+                        memories.update({m: found[m].copy() for m in methods})
+                    k = (i + rnd) % len(methods)
+                    for position, method in enumerate(methods[k:] + methods[:k]):
+                        r = run_one(method, tokens, prompt)
+                        if prompt.check is not None:  # task accuracy: does the answer pass the unit tests?
+                            r["text"] = engine.target.detokenize(r["tokens"])
+                            r["passed"] = passes(prompt.check, r["text"])
+                        r.update(prompt_id=prompt.id, category=prompt.category, method=method, order=position,
+                                 round=rnd, prompt_tokens=len(tokens), generated_tokens=len(r["tokens"]))
+                        runs.append(r)
+                        bar.step(f"{prompt.category}/{prompt.id} {method}")
                 done = i + 1
         except KeyboardInterrupt as exc:
             if done:  # what finished is kept: the caller writes it as results.partial.json
-                exc.partial = results_of(runs[:done * len(methods)], done)  # type: ignore[attr-defined]
+                exc.partial = results_of(runs[:done * len(methods) * cfg.rounds], done)  # type: ignore[attr-defined]
             raise
         return results_of(runs, done)
     finally:

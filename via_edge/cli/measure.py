@@ -93,6 +93,8 @@ def bench(
                                     "(0: off)."),
     categories: Optional[str] = typer.Option(None, help="Comma-separated categories (default: all)."),
     per_category: int = typer.Option(1, help="Prompts per category (the first ones, in file order)."),
+    rounds: int = typer.Option(1, help="Runs of every method on every prompt, the order rotated each round; "
+                               "ratios pair the runs of one round (repeats for a noisy machine)."),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n"),
     out: Path = typer.Option(Path("bench-out"), help="Folder for results.json, report.md, speedup.png."),
     quick: bool = typer.Option(False, help="SmolLM2-135M (F32 copy, exact kernels) with a slim of itself "
@@ -148,7 +150,8 @@ def bench(
                         per_category=per_category, max_tokens=max_tokens, exact=exact, n_ctx=ctx,
                         threads=threads, tuned=tuned, quick=quick, command="via-edge " + " ".join(sys.argv[1:]),
                         response_format=_response_format(response_format), remote=remote(rpc, tensor_split),
-                        spec=SpecParams(**opts.spec_overrides()), format=weight_format, copy_memory=copy_memory)
+                        spec=SpecParams(**opts.spec_overrides()), format=weight_format, copy_memory=copy_memory,
+                        rounds=rounds)
     if quick:
         cfg.pair = pair or B.QUICK["pair"]
         cfg.categories = cfg.categories or B.QUICK["categories"]

@@ -64,3 +64,9 @@ class CopyMemory:
     def clear(self) -> None:
         with self._lock:
             self._entries = []
+
+    def copy(self) -> "CopyMemory":
+        """The same entries in a memory of their own (entries are immutable, so they are shared)."""
+        twin = CopyMemory(self.max_tokens, self.max_entries)
+        twin._entries = self.sources()
+        return twin
