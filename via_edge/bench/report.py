@@ -180,12 +180,13 @@ def render_markdown(results: dict) -> str:
     ]
     for method, s in summary.items():
         t, sp = s["tok_s"], s["speedup_spread"]
+        ref = method in ("ar", "ar:json")  # its ratios are to itself
         vp = (f"{_f(s['speedup_vs_peer'])}x ({_f(s['speedup_vs_peer_spread']['min'])}–"
               f"{_f(s['speedup_vs_peer_spread']['max'])})" if "speedup_vs_peer" in s else "")
         lines.append(
             f"| {method}{'' if s['lossless'] else ' (lossy)'} | {s.get('format', '')} "
             f"| {_f(t['median'], 1)} ({_f(t['min'], 1)}–{_f(t['max'], 1)}) "
-            f"| {_f(s['speedup'])}x | {_f(sp['min'])}–{_f(sp['max'])} | {_f(s.get('speedup_se'), 3)} | {vp} "
+            f"| {_f(s['speedup'])}x | {_f(sp['min'])}–{_f(sp['max'])} | {'' if ref else _f(s.get('speedup_se'), 3)} | {vp} "
             f"| {_f(s['fidelity']['exact_rate'])} "
             f"| {_f(s['fidelity']['prefix_share_mean'])} | {_f(s['fidelity']['agreement_mean'])} "
             f"| {_f(s.get('rejection_rate', float('nan')))} | {_f(s.get('mean_accepted_per_round', float('nan')))} |")
@@ -204,7 +205,7 @@ def render_markdown(results: dict) -> str:
               "category has two runs or more)", "",
               "| method | " + " | ".join(cats) + " |", "| --- |" + " --- |" * len(cats)]
     for method, s in summary.items():
-        ses = s.get("per_category_se", {})
+        ses = {} if method in ("ar", "ar:json") else s.get("per_category_se", {})  # ar's ratios are to itself
         lines.append(f"| {method} | " + " | ".join(
             _f(s["per_category"].get(c, float("nan"))) + _pm(ses.get(c)) for c in cats) + " |")
     lines += ["", "## Token agreement with `ar` per category (mean)", "",
