@@ -16,6 +16,9 @@ from .peers import PEERS
 from .tasks import mcnemar
 
 
+REFERENCES = ("ar", "ar:json")  # what every speedup is a ratio to (constrained runs: to ar's constrained)
+
+
 def key(run: dict) -> tuple[str, int]:
     """What pairs two methods' runs: the prompt and the round (results before rounds had one)."""
     return run["prompt_id"], run.get("round", 0)
@@ -24,7 +27,7 @@ def key(run: dict) -> tuple[str, int]:
 def summarize(results: dict) -> dict:
     runs = results["runs"]
     methods = results["meta"]["methods"]
-    refs = {m: {key(r): r for r in runs if r["method"] == m} for m in ("ar", "ar:json")}
+    refs = {m: {key(r): r for r in runs if r["method"] == m} for m in REFERENCES}
     formats = results["meta"].get("formats", {})
     peers = {p: {key(r): r for r in runs if r["method"] == p} for p in methods
              if p.partition("@")[0] in PEERS}  # "llama-server@shipped": a peer on another format
@@ -90,7 +93,7 @@ def summarize(results: dict) -> dict:
                                   "seconds": round(sum(s[role]["seconds"] for s in stats), 3)}
                            for role in ("draft", "slim", "target")},
             })
-        checked = [r for r in mine if "passed" in r and r.get("round", 0) == 0]  # greedy: one per problem
+        checked = [r for r in mine if "passed" in r]  # the first round's answers (bench.runner)
         if checked:  # task accuracy, paired with ar's answers to the same problems
             mine_by_id = {r["prompt_id"]: r["passed"] for r in checked}
             both = [pid for pid in mine_by_id if "passed" in ar.get((pid, 0), {})]
@@ -180,7 +183,7 @@ def render_markdown(results: dict) -> str:
     ]
     for method, s in summary.items():
         t, sp = s["tok_s"], s["speedup_spread"]
-        ref = method in ("ar", "ar:json")  # its ratios are to itself
+        ref = method in REFERENCES  # its ratios are to itself
         vp = (f"{_f(s['speedup_vs_peer'])}x ({_f(s['speedup_vs_peer_spread']['min'])}–"
               f"{_f(s['speedup_vs_peer_spread']['max'])})" if "speedup_vs_peer" in s else "")
         lines.append(
@@ -205,7 +208,7 @@ def render_markdown(results: dict) -> str:
               "category has two runs or more)", "",
               "| method | " + " | ".join(cats) + " |", "| --- |" + " --- |" * len(cats)]
     for method, s in summary.items():
-        ses = {} if method in ("ar", "ar:json") else s.get("per_category_se", {})  # ar's ratios are to itself
+        ses = {} if method in REFERENCES else s.get("per_category_se", {})  # its ratios are to itself
         lines.append(f"| {method} | " + " | ".join(
             _f(s["per_category"].get(c, float("nan"))) + _pm(ses.get(c)) for c in cats) + " |")
     lines += ["", "## Token agreement with `ar` per category (mean)", "",

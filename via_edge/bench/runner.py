@@ -6,6 +6,7 @@ a warm-up prompt runs every method first and is not counted. Speedups are ratios
 same prompt in the same run. With `rounds` > 1 each prompt runs every method that many times, the
 order rotated again each round (with two methods each goes first once), and a ratio pairs the
 runs of one round: repeats where a shared machine's noise is larger than the effect measured.
+Task accuracy (a suite with unit tests) is judged on the first round's answers.
 
 Each method keeps a copy memory of its own (decode/memory.py) across the run, as a server keeps
 its requests' answers: a method never drafts from another method's answer to the same prompt,
@@ -229,7 +230,7 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
                     k = (i + rnd) % len(methods)
                     for position, method in enumerate(methods[k:] + methods[:k]):
                         r = run_one(method, tokens, prompt)
-                        if prompt.check is not None:  # task accuracy: does the answer pass the unit tests?
+                        if prompt.check is not None and not rnd:  # task accuracy: does the answer pass its tests?
                             r["text"] = engine.target.detokenize(r["tokens"])
                             r["passed"] = passes(prompt.check, r["text"])
                         r.update(prompt_id=prompt.id, category=prompt.category, method=method, order=position,
