@@ -392,6 +392,38 @@ def test_a_server_answer_ends_with_one_end_of_generation_token_whether_listed_or
 
 
 @pytest.mark.slow
+def test_a_server_peer_ends_with_a_benchmark_that_dies_without_closing_it(smollm2):
+    """A benchmark that dies inside llama.cpp (an abort) never closes its llama-server; on Linux the
+    server goes with it rather than holding its model's memory."""
+    import os
+    import time
+
+    from via_edge.bench.peers import server_binary, with_parent
+
+    if server_binary() is None:
+        pytest.skip("llama-server is not built here: bash tools/build_llama_server.sh (a few minutes, once)")
+    if not with_parent():
+        pytest.skip("no setpriv here (util-linux on Linux): a server outlives a benchmark killed outright")
+    script = ("import os, sys\nfrom via_edge.bench.peers import ServerPeer\n"
+              f"peer = ServerPeer('llama-server', {str(smollm2)!r}, 512, 1, 2)\n"
+              "print(peer._proc.pid, flush=True)\nos._exit(3)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 3, proc.stderr
+    pid = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        if open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] == "Z":  # gone, not yet reaped
+            return
+        time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
+    pytest.fail(f"llama-server {pid} outlived the benchmark that started it")
+
+
+@pytest.mark.slow
 def test_llama_server_peers_run_on_the_same_prompts_and_weights(tmp_path):
     """llama.cpp's own server, plain and with --spec-default, beside via-edge's ar in one bench
     run: both answer every prompt greedily, their speeds are their own timings, and the report

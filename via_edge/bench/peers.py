@@ -16,7 +16,8 @@ process runs on via-edge's llama.cpp compute thread: a second OpenMP team would 
 
 `llama-server` is the binary `tools/build_llama_server.sh` builds from the same vendored llama.cpp,
 flags and patch as the installed flavor (or `VIA_EDGE_LLAMA_SERVER`). It runs as a process of its
-own on loopback for the whole benchmark, one slot, no prompt cache across requests; its decode
+own on loopback for the whole benchmark (on Linux it ends with the benchmark even when that dies
+without closing it), one slot, no prompt cache across requests; its decode
 speed comes from the server's own `timings`: every generated token over the time from the first
 to the last (`predicted_n / predicted_ms`), as via-edge's `tokens_per_second` counts them. The
 server's `predicted_per_second` leaves the first token out of the count (it comes with the prompt)
@@ -28,8 +29,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -112,8 +115,16 @@ def server_tokens(out: dict, eos: int, is_eog: Callable[[int], bool]) -> list[in
     return got
 
 
+def with_parent() -> list[str]:
+    """The prefix that ends a server with the thread that started it, on Linux (util-linux's
+    `setpriv --pdeathsig`, which then runs the server in its own place): a benchmark killed or
+    aborted inside llama.cpp never calls `close`, and the server would hold its model's memory."""
+    return ["setpriv", "--pdeathsig", "TERM", "--"] if sys.platform == "linux" and shutil.which("setpriv") else []
+
+
 class ServerPeer:
-    """llama.cpp's llama-server on the same GGUF, greedy, one request at a time."""
+    """llama.cpp's llama-server on the same GGUF, greedy, one request at a time. Start it on a
+    thread that outlives it (on Linux the server ends with that thread: `with_parent`)."""
 
     def __init__(self, name: str, path: Path, n_ctx: int, n_threads: int, eos: int, timeout: float = 180) -> None:
         binary = server_binary()
@@ -125,8 +136,8 @@ class ServerPeer:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.base = f"http://127.0.0.1:{port}"
-        args = [str(binary), "-m", str(path), "-c", str(n_ctx), "-t", str(n_threads), "-tb", str(n_threads),
-                "-np", "1", "--host", "127.0.0.1", "--port", str(port), *SERVER_PEERS[name]]
+        args = [*with_parent(), str(binary), "-m", str(path), "-c", str(n_ctx), "-t", str(n_threads),
+                "-tb", str(n_threads), "-np", "1", "--host", "127.0.0.1", "--port", str(port), *SERVER_PEERS[name]]
         self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
