@@ -209,8 +209,20 @@ def test_bench_quick_end_to_end(tmp_path):
     assert diff.returncode == 0 and "| sd |" in diff.stdout and "+0.0%" in diff.stdout
 
 
+@pytest.fixture
+def flat_costs(tmp_path, smollm2, monkeypatch):
+    """A model directory (this test's) whose cost profile for SmolLM2 prices a batch as one token,
+    so whether a copy pays does not depend on how busy this machine is while the suite runs."""
+    from via_edge.decode import costs
+    from via_edge.llama import EXACT, LlamaModel, LoadParams, default_threads
+
+    monkeypatch.setenv("VIA_EDGE_MODEL_DIR", str(tmp_path / "models"))
+    with LlamaModel(smollm2, LoadParams(n_ctx=4096, n_threads=default_threads(), **EXACT)) as model:
+        costs.store(model, {n: 0.01 for n in costs.VERIFY_BATCHES})
+
+
 @pytest.mark.slow
-def test_predicted_and_memory_variants_and_agent_sequences(tmp_path, smollm2, monkeypatch):
+def test_predicted_and_memory_variants_and_agent_sequences(tmp_path, flat_costs):
     """`lookup:predicted` sends a row's prediction and `lookup:nomemory` runs without the copy
     memory, beside `lookup`; a row of `requests` runs the earlier one first on each method, so
     `lookup` drafts the repeated answer from its own memory, as it does a later row's from the
@@ -218,12 +230,6 @@ def test_predicted_and_memory_variants_and_agent_sequences(tmp_path, smollm2, mo
     6 tokens: every lossless method answers as ar does. The run's model directory holds a flat
     cost profile (a batch costs what one token does), so whether a copy pays does not depend on
     how busy this machine is while the suite runs."""
-    from via_edge.decode import costs
-    from via_edge.llama import EXACT, LlamaModel, LoadParams, default_threads
-
-    monkeypatch.setenv("VIA_EDGE_MODEL_DIR", str(tmp_path / "models"))
-    with LlamaModel(smollm2, LoadParams(n_ctx=4096, n_threads=default_threads(), **EXACT)) as model:
-        costs.store(model, {n: 0.01 for n in costs.VERIFY_BATCHES})
     code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
     ask = "Repeat this code exactly:\n\n" + code
     suite = tmp_path / "rows.jsonl"
@@ -250,18 +256,12 @@ def test_predicted_and_memory_variants_and_agent_sequences(tmp_path, smollm2, mo
 
 
 @pytest.mark.slow
-def test_rounds_rotate_the_order_and_start_from_the_memory_the_prompt_found(tmp_path, smollm2, monkeypatch):
+def test_rounds_rotate_the_order_and_start_from_the_memory_the_prompt_found(tmp_path, flat_costs):
     """`--rounds 2`: each method runs twice on every prompt and goes first once. A later round
     starts from the copy memory its prompt found: `lookup` repeating a request would copy its own
     round-1 answer from the first token (the next row shows the memory does hold answers), so
     on the first row it drafts nothing from the memory in either round, and on the second the
     same in both. Flat cost profile and exact kernels, as in the test above."""
-    from via_edge.decode import costs
-    from via_edge.llama import EXACT, LlamaModel, LoadParams, default_threads
-
-    monkeypatch.setenv("VIA_EDGE_MODEL_DIR", str(tmp_path / "models"))
-    with LlamaModel(smollm2, LoadParams(n_ctx=4096, n_threads=default_threads(), **EXACT)) as model:
-        costs.store(model, {n: 0.01 for n in costs.VERIFY_BATCHES})
     ask = "Repeat this code exactly:\n\ndef add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
     suite = tmp_path / "rows.jsonl"
     suite.write_text("".join(json.dumps({"id": i, "category": i, "prompt": ask}) + "\n" for i in ("first", "next")))
