@@ -5,7 +5,7 @@ section 44).
 
     .venv/bin/python tools/copy_replay.py --results edit=/tmp/bench/editA/results.json \\
         --results spec-bench=/tmp/bench/specB1/results.json [--prior 0.2,0.45,...] [--prior-weight 1] [--context 1536] \\
-        [--memory [--lead 32]] [--costs /tmp/costs.json] [--shifts 16]
+        [--memory [--lead 32]] [--costs /tmp/costs.json] [--shifts 16] [--by-category]
 
 `--results SUITE=FILE` is a `via-edge bench` results file with an `ar` run per prompt (its tokens
 are the answers). The replay runs the real `CopyDrafter` and `CopyPolicy` over each answer: a round
@@ -49,9 +49,9 @@ GREEDY = SamplingParams()
 SIZES = (1, 2, 4, 8, 16, 24, 32, 33, 40, 47, 48, 49, 56, 63, 64, 65, 72, 80)
 
 
-def answers(engine: Engine, suite: str, path: str, agents: bool) -> list[tuple[list[int], list[int], list]]:
-    """(prompt tokens, ar's answer tokens, earlier requests) of every prompt the results file ran
-    in `ar`: the prompt tokenized as the engine tokenizes a generation's text. With `agents`, an
+def answers(engine: Engine, suite: str, path: str, agents: bool) -> list[tuple[list[int], list[int], list, str]]:
+    """(prompt tokens, ar's answer tokens, earlier requests, category) of every prompt the results
+    file ran in `ar`: the prompt tokenized as the engine tokenizes a generation's text. With `agents`, an
     agent row's earlier requests come as (prompt tokens, answer tokens) pairs, their answers
     generated here with `ar` as the bench generates them before the row (untimed, so the file
     does not hold them; each about 10 s)."""
@@ -66,7 +66,7 @@ def answers(engine: Engine, suite: str, path: str, agents: bool) -> list[tuple[l
                                                                   max_tokens=data["meta"]["params"]["max_tokens"]).tokens))
         return made[text]
     return [(engine.tokens_for(prompts[r["prompt_id"]].text, chat_template=True), _answer(engine, r["tokens"]),
-             [earlier(text) for text in prompts[r["prompt_id"]].earlier] if agents else [])
+             [earlier(text) for text in prompts[r["prompt_id"]].earlier] if agents else [], r["category"])
             for r in data["runs"] if r["method"] == "ar" and r["prompt_id"] in prompts and r.get("round", 0) == 0]
 
 
@@ -78,7 +78,7 @@ def _answer(engine: Engine, tokens: list[int]) -> list[int]:
 def calibration(rows) -> dict[int, tuple[int, int]]:
     """Per run bucket: (copies whose next token was the answer's, copies whose was not)."""
     seen = defaultdict(lambda: [0, 0])
-    for prompt, out, _ in rows:
+    for prompt, out, *_ in rows:
         d = CopyDrafter(CopyPolicy(lambda n: 1.0))  # drafts wherever a copy is aligned
         d.begin(prompt)
         for i, tok in enumerate(out):
@@ -97,7 +97,7 @@ def replay(rows, policy_cost, true_cost, memory: CopyMemory | None = None, shift
     placement can win by it (docs/benchmarks.md section 58). An agent row's earlier requests go
     into the memory before it, as the bench runs them."""
     out_speed = []
-    for prompt, out, earlier in rows:
+    for prompt, out, earlier, _ in rows:
         if memory is not None:
             for before, answer in earlier:
                 memory.add(answer, lead=before)
@@ -145,6 +145,8 @@ def main() -> None:
     ap.add_argument("--costs", default=None, help="keep the measured costs in this JSON file and reuse them "
                     "if it exists: replays compared on one measurement")
     ap.add_argument("--target", default=None, help="GGUF (default: the catalog's default target, shipped file)")
+    ap.add_argument("--by-category", action="store_true", help="also the replayed speed-up per category: "
+                    "what the policy itself gains or loses there, apart from a measured run's noise")
     args = ap.parse_args()
     results = [spec.partition("=")[::2] for spec in args.results]
     for suite, path in results:
@@ -204,6 +206,12 @@ def main() -> None:
         geo = math.exp(sum(map(math.log, speed)) / len(speed))
         print(f"{suite}: replayed speed-up over ar, geomean {geo:.3f} (min {min(speed):.3f}, max {max(speed):.3f}, "
               f"{len(speed)} answers)")
+        if args.by_category:
+            by: dict[str, list[float]] = defaultdict(list)
+            for row, s in zip(rows, speed):
+                by[row[3]].append(math.log(s))
+            print(f"{suite}: per category, " + ", ".join(f"{c} {math.exp(sum(v) / len(v)):.3f} ({len(v)})"
+                                                         for c, v in sorted(by.items())))
 
 
 if __name__ == "__main__":
