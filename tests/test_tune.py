@@ -356,6 +356,26 @@ def test_profile_measures_and_interpolates(tiny_target, tiny_dir):
     assert lin.cost("slim-3", 2, 12) == pytest.approx(6.0)
 
 
+def test_profile_runs_the_attention_the_engine_runs(tiny_target, tiny_dir, monkeypatch, tmp_path):
+    """The tuner profiles and records the target with the flash-attention setting measured for
+    its file, as the engine loads it, not llama.cpp's default (on): fails on a profile made with
+    the default, whose load says None."""
+    from via_edge.decode import attention
+    from via_edge.files import write_json
+    from via_edge.tune import tuner
+
+    monkeypatch.setenv("VIA_EDGE_MODEL_DIR", str(tmp_path))
+    monkeypatch.setattr(attention, "MIN_BYTES", 0)  # the tiny file counts as one worth measuring
+    load = LoadParams(n_ctx=256, n_threads=2)
+    write_json(attention._path(tiny_target, load), {"model": tiny_target.name, "flash_attn": False, "off_gain": 1.2})
+    setup = tuner.Setup("tiny", tiny_target, build_slim(tiny_target, "0"), False, load, 2, [], [],
+                        [[1, 2, 3, 4, 5, 6, 7, 8]], [], set())
+    cfg = tuner.TuneConfig(repeats=1, batches=(1, 2), contexts=(8, 16), calib_tokens=4)
+    rec = tuner.profile_and_record(cfg, setup, tuner.FormatSurvey({}, [], None, {}), lambda msg: None)
+    assert rec.profile.meta["load"]["flash_attn"] is False
+    assert len(rec.traces) == 1 and len(rec.traces[0].target) == 4
+
+
 # ---- the tuned choice as everyone's default -------------------------------------------------------
 def cli(*args, env=None, timeout=600):
     return subprocess.run([sys.executable, "-m", "via_edge", *map(str, args)], capture_output=True, text=True,

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ..decode import costs
+from ..decode.attention import open_fastest
 from ..decode.spec import SpecParams
 from ..errors import InvalidParameterError, ViaEdgeError
 from ..files import write_json
@@ -254,8 +255,14 @@ def _draft_path(setup: Setup, fmts: FormatSurvey) -> Path:
 def profile_and_record(cfg: TuneConfig, setup: Setup, fmts: FormatSurvey, log: Log) -> Recorded:
     """The cost profile of draft, target and two prefix slims; the target's greedy output on the
     calibration prompts, and the draft along it."""
-    load, t0 = setup.load, time.monotonic()
-    with LlamaModel(setup.target_path, load) as target, LlamaModel(_draft_path(setup, fmts), load) as draft:
+    t0 = time.monotonic()
+    # opened as an engine opens it: flash attention as measured for the file (read back, or measured
+    # once for the run's check to read), draft and slims with the same setting, so the profile and
+    # the traces are of what the modes will run (on the Zen 3 EPYC a 16-row verification costs
+    # 11-17% less without it, docs/benchmarks.md section 69)
+    target = open_fastest(setup.target_path, setup.load, lambda params: LlamaModel(setup.target_path, params))
+    load = replace(setup.load, flash_attn=target.params.flash_attn)
+    with target, LlamaModel(_draft_path(setup, fmts), load) as draft:
         n_blocks = target.n_layer
         eog = [t for t in range(target.n_vocab) if target.is_eog(t)]
         sizes = sorted({max(1, round(n_blocks * f)) for f in (0.4, 0.7)} - {n_blocks})  # + target: 3 points
