@@ -356,7 +356,7 @@ def test_profile_measures_and_interpolates(tiny_target, tiny_dir):
     assert lin.cost("slim-3", 2, 12) == pytest.approx(6.0)
 
 
-def test_profile_runs_the_attention_the_engine_runs(tiny_target, tiny_dir, monkeypatch, tmp_path):
+def test_profile_runs_the_attention_the_engine_runs(tiny_target, monkeypatch, tmp_path):
     """The tuner profiles and records the target with the flash-attention setting measured for
     its file, as the engine loads it, not llama.cpp's default (on): fails on a profile made with
     the default, whose load says None."""
