@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from .decode.attention import open_fastest
+from .decode.attention import open_measured
 from .decode.costs import batch_cost, prompt_helper
 from .decode.drafters import check_compatible
 from .decode.modes import DEFAULT_MODE, mode_info
@@ -74,9 +74,8 @@ class Loader:
         """The target with flash attention as measured faster here unless given (decode/attention.py);
         draft, slim and prefill helper then load with the same setting (the slim and the helper hand
         KV caches to the target, whose layout it sets)."""
-        target = open_fastest(path, self.load, lambda params: self._open("target", path, params),
-                              self._measuring("attention"))
-        self.load = replace(self.load, flash_attn=target.params.flash_attn)
+        target, self.load = open_measured(path, self.load, lambda params: self._open("target", path, params),
+                                          self._measuring("attention"))
         return target
 
     def _open(self, role: str, path: Path, params: LoadParams | None = None) -> LlamaModel:

@@ -122,3 +122,11 @@ def open_fastest(path: Path, params: LoadParams, open_model: Callable[[LoadParam
     except (OSError, ViaEdgeError) as exc:
         log.info("attention choice not stored (%s); measured again next time", exc)
     return kept
+
+
+def open_measured(path: Path, params: LoadParams, open_model: Callable[[LoadParams], LlamaModel],
+                  progress: Callable[[float], None] | None = None) -> tuple[LlamaModel, LoadParams]:
+    """`open_fastest`, and `params` with the setting it opened with, for the models that load
+    beside it: a draft or slim that hands KV caches to it needs the same V cache layout."""
+    model = open_fastest(path, params, open_model, progress)
+    return model, replace(params, flash_attn=model.params.flash_attn)

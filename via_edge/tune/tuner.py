@@ -26,8 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..decode import costs
-from ..decode.attention import open_fastest
+from ..decode import attention, costs
 from ..decode.spec import SpecParams
 from ..errors import InvalidParameterError, ViaEdgeError
 from ..files import write_json
@@ -256,12 +255,8 @@ def profile_and_record(cfg: TuneConfig, setup: Setup, fmts: FormatSurvey, log: L
     """The cost profile of draft, target and two prefix slims; the target's greedy output on the
     calibration prompts, and the draft along it."""
     t0 = time.monotonic()
-    # opened as an engine opens it: flash attention as measured for the file (read back, or measured
-    # once for the run's check to read), draft and slims with the same setting, so the profile and
-    # the traces are of what the modes will run (on the Zen 3 EPYC a 16-row verification costs
-    # 11-17% less without it, docs/benchmarks.md section 69)
-    target = open_fastest(setup.target_path, setup.load, lambda params: LlamaModel(setup.target_path, params))
-    load = replace(setup.load, flash_attn=target.params.flash_attn)
+    # as an engine opens it (flash attention as measured, draft and slims alike): what the modes run
+    target, load = attention.open_measured(setup.target_path, setup.load, lambda p: LlamaModel(setup.target_path, p))
     with target, LlamaModel(_draft_path(setup, fmts), load) as draft:
         n_blocks = target.n_layer
         eog = [t for t in range(target.n_vocab) if target.is_eog(t)]
