@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 from collections import defaultdict
 from importlib.resources import files
@@ -35,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from via_edge import Engine
+from via_edge.bench.metrics import geomean
 from via_edge.bench.suite import load_prompts
 from via_edge.decode import copying, costs
 from via_edge.decode import memory as copy_memory
@@ -203,14 +203,14 @@ def main() -> None:
         print(f"{suite}: next token copied by run bucket (kept/seen): "
               + ", ".join(f"{b}: {a}/{a + r} = {a / (a + r):.3f}" for b, (a, r) in cal.items()))
         speed = replay(rows, policy_cost, true_cost, CopyMemory(DEFAULT_TOKENS) if args.memory else None, args.shifts)
-        geo = math.exp(sum(map(math.log, speed)) / len(speed))
+        geo = geomean(speed)
         print(f"{suite}: replayed speed-up over ar, geomean {geo:.3f} (min {min(speed):.3f}, max {max(speed):.3f}, "
               f"{len(speed)} answers)")
         if args.by_category:
             by: dict[str, list[float]] = defaultdict(list)
             for row, s in zip(rows, speed):
-                by[row[3]].append(math.log(s))
-            print(f"{suite}: per category, " + ", ".join(f"{c} {math.exp(sum(v) / len(v)):.3f} ({len(v)})"
+                by[row[3]].append(s)
+            print(f"{suite}: per category, " + ", ".join(f"{c} {geomean(v):.3f} ({len(v)})"
                                                          for c, v in sorted(by.items())))
 
 
