@@ -6,11 +6,13 @@ import re
 import signal
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 from conftest import interruptible
 
 from via_edge.bench.metrics import fidelity, geomean, log_se, spread
+from via_edge.bench.runner import run_orders
 from via_edge.bench.suite import load_prompts, packaged_rows, prompts_in_turn
 from via_edge.errors import InvalidParameterError
 
@@ -253,6 +255,21 @@ def test_predicted_and_memory_variants_and_agent_sequences(tmp_path, flat_costs)
     assert all(r["stats"]["memory_draft_n"] == 0 for r in res["runs"] if r["method"] == "lookup:nomemory")
     bad = cli("bench", "--quick", "--modes", "ar,lookup:fast", "--out", tmp_path / "bad")
     assert bad.returncode == 2 and "unknown variant(s) lookup:fast" in bad.stderr
+
+
+@pytest.mark.parametrize("n", range(1, 8))
+def test_run_orders_balance_places_and_successors(n):
+    """Over its orders every method runs in each place equally often, and right after each other
+    method equally often; a plain rotation fails the second from three methods on (with 0, 1, 2,
+    1 always follows 0). Two methods keep the alternation `--rounds 2` relies on."""
+    orders = run_orders(n)
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    places = Counter((m, i) for o in orders for i, m in enumerate(o))
+    assert set(places.values()) == {len(orders) // n} and len(places) == n * n
+    after = Counter((a, b) for o in orders for a, b in zip(o, o[1:]))
+    assert len(after) == n * (n - 1) and len(set(after.values())) <= 1
+    if n == 2:
+        assert orders == [[0, 1], [1, 0]]
 
 
 @pytest.mark.slow

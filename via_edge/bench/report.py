@@ -111,7 +111,7 @@ def _pm(se: float | None) -> str:
 
 def _rounds(meta: dict) -> str:
     rounds = meta["params"].get("rounds", 1)
-    return f" x {rounds} rounds (each method's runs paired by round, order rotated)" if rounds > 1 else ""
+    return f" x {rounds} rounds (each method's runs paired by round, order changed each round)" if rounds > 1 else ""
 
 
 def request_s(run: dict) -> float:

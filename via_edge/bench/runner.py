@@ -1,11 +1,13 @@
 """`via-edge bench`: every method on every prompt, interleaved, models loaded once.
 
-Each prompt runs all methods back to back in an order rotated per prompt, so machine noise hits
-them alike; every model's KV cache is cleared before each run, so each run pays its own prefill;
-a warm-up prompt runs every method first and is not counted. Speedups are ratios to `ar` on the
-same prompt in the same run. With `rounds` > 1 each prompt runs every method that many times, the
-order rotated again each round (with two methods each goes first once), and a ratio pairs the
-runs of one round: repeats where a shared machine's noise is larger than the effect measured.
+Each prompt runs all methods back to back, so machine noise hits them alike, in an order that
+changes per prompt and round (`run_orders`: every method as often in each place, and right after
+each other method as often); every model's KV cache is cleared before each run, so each run pays
+its own prefill; a warm-up prompt runs every method first and is not counted. Speedups are ratios
+to `ar` on the same prompt in the same run. With `rounds` > 1 each prompt runs every method that
+many times, in the next order each round (with two methods each goes first once), and a ratio
+pairs the runs of one round: repeats where a shared machine's noise is larger than the effect
+measured.
 Task accuracy (a suite with unit tests) is judged on the first round's answers.
 
 Each method keeps a copy memory of its own (decode/memory.py) across the run, as a server keeps
@@ -217,6 +219,7 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
             results["summary"] = summarize(results)
             return results
 
+        orders = run_orders(len(methods))
         bar = RunProgress(len(prompts) * len(methods) * cfg.rounds, quiet)
         runs: list[dict] = []
         done = 0  # prompts every method has run on: a partial result compares only those
@@ -227,8 +230,8 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
                 for rnd in range(cfg.rounds):
                     if rnd:  # not the answers of the round before
                         memories.update({m: found[m].copy() for m in methods})
-                    k = (i + rnd) % len(methods)
-                    for position, method in enumerate(methods[k:] + methods[:k]):
+                    order = orders[(i + rnd) % len(orders)]
+                    for position, method in enumerate(methods[j] for j in order):
                         r = run_one(method, tokens, prompt)
                         if prompt.check is not None and not rnd:  # task accuracy: does the answer pass its tests?
                             r["text"] = engine.target.detokenize(r["tokens"])
@@ -248,6 +251,16 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
             p.close()
         for e in filter(None, engines.values()):
             e.close()
+
+
+def run_orders(n: int) -> list[list[int]]:
+    """Orders of n methods (Williams' design) in which, taken together, every method runs as often
+    in each place and right after each other method as often: a cyclic rotation of three or more
+    puts each method right after the same one every time, so whatever a run leaves behind for the
+    next (a warm cache, a busy core, a server's idle threads) would count for one method only."""
+    first = [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]
+    rows = [[(x + r) % n for x in first] for r in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 and n > 1 else rows
 
 
 def base_mode(method: str) -> str:

@@ -93,7 +93,7 @@ def bench(
                                     "(0: off)."),
     categories: Optional[str] = typer.Option(None, help="Comma-separated categories (default: all)."),
     per_category: int = typer.Option(1, help="Prompts per category (the first ones, in file order)."),
-    rounds: int = typer.Option(1, help="Runs of every method on every prompt, the order rotated each round; "
+    rounds: int = typer.Option(1, help="Runs of every method on every prompt, the order changed each round; "
                                "ratios pair the runs of one round (repeats for a noisy machine)."),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n"),
     out: Path = typer.Option(Path("bench-out"), help="Folder for results.json, report.md, speedup.png."),
