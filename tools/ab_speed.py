@@ -6,7 +6,8 @@ change speed-neutral? (docs/benchmarks.md, section 28)
 
 `--base` is another checkout (e.g. `git worktree add /tmp/before HEAD~1`). Each round starts one
 process per (checkout, mode), which loads the target and warms up, then hands every prompt to each
-process in turn, the order rotating by prompt and round: only one generates at a time (two
+process in turn, the order changing by prompt and round (`run_orders`: base right after new as
+often as new right after base): only one generates at a time (two
 llama.cpp processes at once slow each other down many times on 2 cores), and a checkout's prompt
 runs seconds from the other's, not minutes, so the machine's drift over a round is shared. Whole
 processes still differ (section 53: the same decodes ran 1.01-1.14x between two processes alive
@@ -113,18 +114,20 @@ def main() -> None:
     if args.target is None:
         from via_edge.weights import catalog
         args.target = str(catalog.resolve(catalog.pair(None)["target"]))
+    from via_edge.bench.runner import run_orders
+
     checkouts = {"base": args.base.resolve(), "new": args.new.resolve()}
     jobs = [(name, mode) for mode in args.modes.split(",") for name in checkouts]
     got: dict[tuple[str, str], list[list[dict]]] = {job: [] for job in jobs}
+    orders = run_orders(len(jobs))
     for r in range(args.rounds):
         children: dict[tuple[str, str], Child] = {}
         try:
             for job in jobs:  # loaded one at a time, each then idle until named a prompt
                 children[job] = Child(checkouts[job[0]], job[1], args)
                 got[job].append([])
-            for i in range(children[jobs[0]].prompts):  # each prompt by every process in turn, order rotating
-                k = (r + i) % len(jobs)
-                for job in jobs[k:] + jobs[:k]:
+            for i in range(children[jobs[0]].prompts):  # each prompt by every process in turn, in balanced orders
+                for job in (jobs[j] for j in orders[(r + i) % len(orders)]):
                     got[job][-1].append(children[job].run(i))
         finally:
             for child in children.values():

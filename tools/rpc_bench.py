@@ -9,7 +9,7 @@ The delay is added by the benchmark itself: each server is reached through a TCP
 every chunk coming back from the server for `delay` ms (one added delay per round trip, what
 `tc qdisc ... netem delay` on one side of a link adds; netem itself needs a kernel module this
 machine lacks). Per delay, one engine over the relays; per prompt the methods run back to back in
-a rotated order, all-local ar among them, and each ratio is taken on the same prompt.
+balanced orders (`run_orders`), all-local ar among them, and each ratio is taken on the same prompt.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import threading
 import time
 
 from via_edge import Engine
-from via_edge.bench.runner import prompt_tokens
+from via_edge.bench.runner import prompt_tokens, run_orders
 from via_edge.bench.suite import load_prompts
 from via_edge.llama import rpc
 
@@ -119,9 +119,10 @@ def main() -> None:
                 remote.prepare(mode)
             methods = [("local", "ar")] + [("rpc", m) for m in modes]
             speeds: dict[str, list[float]] = {f"{w} {m}": [] for w, m in methods}
+            orders = run_orders(len(methods))
             for i, prompt in enumerate(prompts):
                 tokens = prompt_tokens(local, prompt)
-                for where, mode in methods[i % len(methods):] + methods[:i % len(methods)]:
+                for where, mode in (methods[j] for j in orders[i % len(orders)]):
                     engine = local if where == "local" else remote
                     engine.reset()
                     res = engine.generate(tokens, mode=mode, max_tokens=args.max_tokens)
