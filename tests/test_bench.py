@@ -11,8 +11,7 @@ from collections import Counter
 import pytest
 from conftest import interruptible
 
-from via_edge.bench.metrics import fidelity, geomean, log_se, spread
-from via_edge.bench.runner import run_orders
+from via_edge.bench.metrics import fidelity, geomean, log_se, run_orders, spread
 from via_edge.bench.suite import load_prompts, packaged_rows, prompts_in_turn
 from via_edge.errors import InvalidParameterError
 

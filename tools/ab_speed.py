@@ -114,7 +114,7 @@ def main() -> None:
     if args.target is None:
         from via_edge.weights import catalog
         args.target = str(catalog.resolve(catalog.pair(None)["target"]))
-    from via_edge.bench.runner import run_orders
+    from via_edge.bench.metrics import run_orders
 
     checkouts = {"base": args.base.resolve(), "new": args.new.resolve()}
     jobs = [(name, mode) for mode in args.modes.split(",") for name in checkouts]

@@ -24,7 +24,8 @@ import threading
 import time
 
 from via_edge import Engine
-from via_edge.bench.runner import prompt_tokens, run_orders
+from via_edge.bench.metrics import run_orders
+from via_edge.bench.runner import prompt_tokens
 from via_edge.bench.suite import load_prompts
 from via_edge.llama import rpc
 

@@ -1,4 +1,4 @@
-"""Small, exact statistics for the benchmark report (tested on hand-made inputs)."""
+"""Small, exact statistics for the benchmark report, and the orders its runs take (tested on hand-made inputs)."""
 
 from __future__ import annotations
 
@@ -55,3 +55,13 @@ def fidelity(reference: Sequence[int], output: Sequence[int]) -> dict:
         "prefix_share": p / len(reference) if reference else 1.0,
         "agreement": same / longer if longer else 1.0,
     }
+
+
+def run_orders(n: int) -> list[list[int]]:
+    """Orders of n methods (Williams' design) in which, taken together, every method runs as often
+    in each place and right after each other method as often: a cyclic rotation of three or more
+    puts each method right after the same one every time, so whatever a run leaves behind for the
+    next (a warm cache, a busy core, a server's idle threads) would count for one method only."""
+    first = [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]
+    rows = [[(x + r) % n for x in first] for r in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 and n > 1 else rows

@@ -37,6 +37,7 @@ from ..tune.store import load_choice
 from ..weights import catalog
 from ..weights.autoformat import AUTO, check_name, requested
 from ..weights.slim import target_sha256
+from .metrics import run_orders
 from .peers import DEFAULT_PEERS, PEERS, make_peer
 from .report import summarize
 from .suite import Prompt, load_prompts
@@ -251,16 +252,6 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
             p.close()
         for e in filter(None, engines.values()):
             e.close()
-
-
-def run_orders(n: int) -> list[list[int]]:
-    """Orders of n methods (Williams' design) in which, taken together, every method runs as often
-    in each place and right after each other method as often: a cyclic rotation of three or more
-    puts each method right after the same one every time, so whatever a run leaves behind for the
-    next (a warm cache, a busy core, a server's idle threads) would count for one method only."""
-    first = [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]
-    rows = [[(x + r) % n for x in first] for r in range(n)]
-    return rows + [row[::-1] for row in rows] if n % 2 and n > 1 else rows
 
 
 def base_mode(method: str) -> str:

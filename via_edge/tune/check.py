@@ -8,7 +8,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..bench.metrics import fidelity, geomean
+from ..bench.metrics import fidelity, geomean, run_orders
 from ..decode.spec import SpecParams
 from ..engine import Engine
 from ..llama import LoadParams
@@ -20,7 +20,7 @@ BASE = "ar (shipped)"  # the baseline's key in the checks when the choice is on 
 
 def verify(target_path: Path, draft_path: Path, best: dict[str, Candidate], prompts, verify_tokens: int,
            load: LoadParams, log: Callable[[str], None], baseline: Path | None = None) -> dict:
-    """Each mode's best configuration against ar on held-out prompts, interleaved and rotated.
+    """Each mode's best configuration against ar on held-out prompts, interleaved in balanced orders.
 
     With `baseline` (the shipped file, when `target_path` is a derived format), ar on it runs
     beside them and every ratio and agreement is to it, so a format's speed and loss show up.
@@ -38,10 +38,10 @@ def verify(target_path: Path, draft_path: Path, best: dict[str, Candidate], prom
         for m in best:
             engine.prepare(m)
         log(f"verifying {', '.join(methods)} on {len(prompts)} held-out prompts x {verify_tokens} tokens")
+        orders = run_orders(len(methods))
         for i, p in enumerate(prompts):
             tokens = engine.tokens_for(p.text, True)
-            order = methods[i % len(methods):] + methods[: i % len(methods)]
-            for m in order:
+            for m in (methods[j] for j in orders[i % len(orders)]):
                 e, mode, spec = runners[m]
                 e.reset()
                 res = e.generate(tokens, mode=mode, max_tokens=verify_tokens, spec=spec)
