@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 from conftest import interruptible
 
-from via_edge.bench.metrics import fidelity, geomean, log_se, run_orders, spread
+from via_edge.bench.metrics import fidelity, geomean, in_run_order, log_se, run_orders, spread
 from via_edge.bench.suite import load_prompts, packaged_rows, prompts_in_turn
 from via_edge.errors import InvalidParameterError
 
@@ -269,6 +269,8 @@ def test_run_orders_balance_places_and_successors(n):
     assert len(after) == n * (n - 1) and len(set(after.values())) <= 1
     if n == 2:
         assert orders == [[0, 1], [1, 0]]
+    names = "abcdefg"[:n]  # the k-th prompt or round takes the k-th order, cycling
+    assert [in_run_order(names, k) for k in range(2 * len(orders))] == [[names[j] for j in o] for o in orders * 2]
 
 
 @pytest.mark.slow

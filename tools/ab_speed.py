@@ -114,12 +114,11 @@ def main() -> None:
     if args.target is None:
         from via_edge.weights import catalog
         args.target = str(catalog.resolve(catalog.pair(None)["target"]))
-    from via_edge.bench.metrics import run_orders
+    from via_edge.bench.metrics import in_run_order
 
     checkouts = {"base": args.base.resolve(), "new": args.new.resolve()}
     jobs = [(name, mode) for mode in args.modes.split(",") for name in checkouts]
     got: dict[tuple[str, str], list[list[dict]]] = {job: [] for job in jobs}
-    orders = run_orders(len(jobs))
     for r in range(args.rounds):
         children: dict[tuple[str, str], Child] = {}
         try:
@@ -127,7 +126,7 @@ def main() -> None:
                 children[job] = Child(checkouts[job[0]], job[1], args)
                 got[job].append([])
             for i in range(children[jobs[0]].prompts):  # each prompt by every process in turn, in balanced orders
-                for job in (jobs[j] for j in orders[(r + i) % len(orders)]):
+                for job in in_run_order(jobs, r + i):
                     got[job][-1].append(children[job].run(i))
         finally:
             for child in children.values():

@@ -24,7 +24,7 @@ import threading
 import time
 
 from via_edge import Engine
-from via_edge.bench.metrics import run_orders
+from via_edge.bench.metrics import in_run_order
 from via_edge.bench.runner import prompt_tokens
 from via_edge.bench.suite import load_prompts
 from via_edge.llama import rpc
@@ -120,10 +120,9 @@ def main() -> None:
                 remote.prepare(mode)
             methods = [("local", "ar")] + [("rpc", m) for m in modes]
             speeds: dict[str, list[float]] = {f"{w} {m}": [] for w, m in methods}
-            orders = run_orders(len(methods))
             for i, prompt in enumerate(prompts):
                 tokens = prompt_tokens(local, prompt)
-                for where, mode in (methods[j] for j in orders[i % len(orders)]):
+                for where, mode in in_run_order(methods, i):
                     engine = local if where == "local" else remote
                     engine.reset()
                     res = engine.generate(tokens, mode=mode, max_tokens=args.max_tokens)

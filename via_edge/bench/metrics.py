@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Sequence, TypeVar
 
 from ..llama import common_prefix
 
@@ -65,3 +65,12 @@ def run_orders(n: int) -> list[list[int]]:
     first = [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]
     rows = [[(x + r) % n for x in first] for r in range(n)]
     return rows + [row[::-1] for row in rows] if n % 2 and n > 1 else rows
+
+
+T = TypeVar("T")
+
+
+def in_run_order(items: Sequence[T], k: int) -> list[T]:
+    """`items` in the k-th of `run_orders` (cycling): the order of the k-th prompt or round."""
+    orders = run_orders(len(items))
+    return [items[j] for j in orders[k % len(orders)]]

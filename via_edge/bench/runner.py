@@ -1,13 +1,13 @@
 """`via-edge bench`: every method on every prompt, interleaved, models loaded once.
 
 Each prompt runs all methods back to back, so machine noise hits them alike, in an order that
-changes per prompt and round (`run_orders`: every method as often in each place, and right after
-each other method as often); every model's KV cache is cleared before each run, so each run pays
-its own prefill; a warm-up prompt runs every method first and is not counted. Speedups are ratios
-to `ar` on the same prompt in the same run. With `rounds` > 1 each prompt runs every method that
-many times, in the next order each round (with two methods each goes first once), and a ratio
-pairs the runs of one round: repeats where a shared machine's noise is larger than the effect
-measured.
+changes per prompt and round (`metrics.run_orders`: every method as often in each place, and
+right after each other method as often); every model's KV cache is cleared before each run, so
+each run pays its own prefill; a warm-up prompt runs every method first and is not counted.
+Speedups are ratios to `ar` on the same prompt in the same run. With `rounds` > 1 each prompt runs
+every method that many times, in the next order each round (with two methods each goes first
+once), and a ratio pairs the runs of one round: repeats where a shared machine's noise is larger
+than the effect measured.
 Task accuracy (a suite with unit tests) is judged on the first round's answers.
 
 Each method keeps a copy memory of its own (decode/memory.py) across the run, as a server keeps
@@ -37,7 +37,7 @@ from ..tune.store import load_choice
 from ..weights import catalog
 from ..weights.autoformat import AUTO, check_name, requested
 from ..weights.slim import target_sha256
-from .metrics import run_orders
+from .metrics import in_run_order
 from .peers import DEFAULT_PEERS, PEERS, make_peer
 from .report import summarize
 from .suite import Prompt, load_prompts
@@ -220,7 +220,6 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
             results["summary"] = summarize(results)
             return results
 
-        orders = run_orders(len(methods))
         bar = RunProgress(len(prompts) * len(methods) * cfg.rounds, quiet)
         runs: list[dict] = []
         done = 0  # prompts every method has run on: a partial result compares only those
@@ -231,8 +230,7 @@ def run_bench(cfg: BenchConfig, quiet: bool = False) -> dict:
                 for rnd in range(cfg.rounds):
                     if rnd:  # not the answers of the round before
                         memories.update({m: found[m].copy() for m in methods})
-                    order = orders[(i + rnd) % len(orders)]
-                    for position, method in enumerate(methods[j] for j in order):
+                    for position, method in enumerate(in_run_order(methods, i + rnd)):
                         r = run_one(method, tokens, prompt)
                         if prompt.check is not None and not rnd:  # task accuracy: does the answer pass its tests?
                             r["text"] = engine.target.detokenize(r["tokens"])

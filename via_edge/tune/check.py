@@ -8,7 +8,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..bench.metrics import fidelity, geomean, run_orders
+from ..bench.metrics import fidelity, geomean, in_run_order
 from ..decode.spec import SpecParams
 from ..engine import Engine
 from ..llama import LoadParams
@@ -38,10 +38,9 @@ def verify(target_path: Path, draft_path: Path, best: dict[str, Candidate], prom
         for m in best:
             engine.prepare(m)
         log(f"verifying {', '.join(methods)} on {len(prompts)} held-out prompts x {verify_tokens} tokens")
-        orders = run_orders(len(methods))
         for i, p in enumerate(prompts):
             tokens = engine.tokens_for(p.text, True)
-            for m in (methods[j] for j in orders[i % len(orders)]):
+            for m in in_run_order(methods, i):
                 e, mode, spec = runners[m]
                 e.reset()
                 res = e.generate(tokens, mode=mode, max_tokens=verify_tokens, spec=spec)
