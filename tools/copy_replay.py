@@ -5,7 +5,7 @@ section 44).
 
     .venv/bin/python tools/copy_replay.py --results edit=/tmp/bench/editA/results.json \\
         --results spec-bench=/tmp/bench/specB1/results.json [--prior 0.2,0.45,...] [--prior-weight 1] [--context 1536] \\
-        [--memory [--lead 32]] [--costs /tmp/costs.json] [--shifts 16] [--by-category]
+        [--memory [--lead 32]] [--costs /tmp/costs.json | --curve amx.json] [--shifts 16] [--by-category] [--oracle]
 
 `--results SUITE=FILE` is a `via-edge bench` results file with an `ar` run per prompt (its tokens
 are the answers). The replay runs the real `CopyDrafter` and `CopyPolicy` over each answer: a round
@@ -19,7 +19,9 @@ order with the copy memory going on across them (each entry led by its prompt's 
 tokens), as the bench runs a method; an agent row's earlier requests are answered here with `ar`
 first and go into the memory before it. `--shifts 16` judges a prior in expectation over where
 the drafts meet a copy's breaks (section 58): on one placement, priors that tie in expectation
-differed by 6%.
+differed by 6%. `--curve` replays as on another machine from its cost curve (an AMX Xeon's, say,
+whose verification rows cost a fraction of this CPU's), and `--oracle` sets each draft's length
+by where its copy really breaks: the policy's distance from the best its anchors allow (section 78).
 """
 
 from __future__ import annotations
@@ -89,43 +91,56 @@ def calibration(rows) -> dict[int, tuple[int, int]]:
     return {b: tuple(v) for b, v in sorted(seen.items())}
 
 
-def replay(rows, policy_cost, true_cost, memory: CopyMemory | None = None, shifts: int = 1) -> list[float]:
+def replay(rows, policy_cost, true_cost, memory: CopyMemory | None = None, shifts: int = 1,
+           oracle: bool = False) -> list[float]:
     """Speed-up over ar per answer: tokens / single steps spent. With a `memory`, each answer
     drafts from the answers before it and goes into it after, as in `via-edge bench`. With
     `shifts` > 1, the mean over that many replays whose first draft is put off by 0, 2, 4, ...
     tokens: where a copy breaks relative to the drafts is luck, and a prior judged on one
     placement can win by it (docs/benchmarks.md section 58). An agent row's earlier requests go
-    into the memory before it, as the bench runs them."""
+    into the memory before it, as the bench runs them. With `oracle`, each draft's length is the
+    best for where its copy really breaks (same anchors): what the policy's lengths leave."""
     out_speed = []
     for prompt, out, earlier, _ in rows:
         if memory is not None:
             for before, answer in earlier:
                 memory.add(answer, lead=before)
-        speeds = [_one(prompt, out, policy_cost, true_cost, memory, 2 * s) for s in range(shifts)]
+        speeds = [_one(prompt, out, policy_cost, true_cost, memory, 2 * s, oracle) for s in range(shifts)]
         out_speed.append(sum(speeds) / len(speeds))
         if memory is not None:
             memory.add(out, lead=prompt)
     return out_speed
 
 
-def _one(prompt, out, policy_cost, true_cost, memory: CopyMemory | None, delay: int) -> float:
-    d = CopyDrafter(CopyPolicy(policy_cost))
+def _one(prompt, out, policy_cost, true_cost, memory: CopyMemory | None, delay: int, oracle: bool) -> float:
+    d = CopyDrafter(CopyPolicy(lambda n: 1.0 if oracle else policy_cost(n)))  # the oracle sees the whole copy
     d.begin(prompt, memory.sources() if memory is not None else ())
     i, steps, first = 0, 0.0, None
     while i < len(out):
         draft = d.propose(prompt + out[:i], 64, GREEDY, None, SpecParams())
+        if oracle and draft.tokens:
+            holds = _kept(draft.tokens, out, i)
+            k = max(range(len(draft.tokens) + 1), key=lambda k: (min(k, holds) + 1) / true_cost(k + 1))
+            draft.tokens = draft.tokens[:k]
+            d._last = (d._last[0], draft.tokens, d._last[2]) if k else None
         if draft.tokens and first is None:
             first = i
         if draft.tokens and i < first + delay:  # put off: a plain step, nothing learned
             draft.tokens, d._last = [], None
-        kept = 0
-        while kept < len(draft.tokens) and i + kept < len(out) and draft.tokens[kept] == out[i + kept]:
-            kept += 1
+        kept = _kept(draft.tokens, out, i)
         if draft.tokens:
             d.accept(kept)
         steps += true_cost(len(draft.tokens) + 1)
         i += kept + 1
     return len(out) / steps
+
+
+def _kept(draft: list[int], out: list[int], i: int) -> int:
+    """How many of the draft's tokens the answer has from position i on."""
+    kept = 0
+    while kept < len(draft) and i + kept < len(out) and draft[kept] == out[i + kept]:
+        kept += 1
+    return kept
 
 
 def main() -> None:
@@ -144,6 +159,11 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1536, help="context the replay's costs are measured at")
     ap.add_argument("--costs", default=None, help="keep the measured costs in this JSON file and reuse them "
                     "if it exists: replays compared on one measurement")
+    ap.add_argument("--curve", default=None, help="replay as on another machine: a JSON file of its verification "
+                    "costs (\"sizes\" and \"seconds\", e.g. its --costs file); the policy prices its drafts with "
+                    "them too, and nothing is measured here")
+    ap.add_argument("--oracle", action="store_true", help="also replay with each draft as long as is best for "
+                    "where its copy really breaks (same anchors): what the policy's lengths leave")
     ap.add_argument("--target", default=None, help="GGUF (default: the catalog's default target, shipped file)")
     ap.add_argument("--by-category", action="store_true", help="also the replayed speed-up per category: "
                     "what the policy itself gains or loses there, apart from a measured run's noise")
@@ -164,6 +184,17 @@ def main() -> None:
         if not args.prior_weight > 0:
             ap.error(f"--prior-weight wants a positive number, got {args.prior_weight}")
         copying.PRIOR_WEIGHT = args.prior_weight
+    if args.curve and args.costs:
+        ap.error("--curve replays another machine's costs and --costs keeps this one's: give one")
+    curve = None
+    if args.curve:
+        try:
+            stored = json.load(open(args.curve))
+            curve = {int(n): float(t) for n, t in zip(stored["sizes"], stored["seconds"], strict=True)}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            ap.error(f"--curve {args.curve} is unreadable ({exc}); it wants \"sizes\" and \"seconds\" lists")
+        if 1 not in curve or min(curve.values()) <= 0:
+            ap.error(f"--curve {args.curve} needs a positive cost for every size, 1 among them")
     if args.shifts < 1:
         ap.error(f"--shifts wants a number >= 1, got {args.shifts}")
     if args.lead is not None:
@@ -172,11 +203,14 @@ def main() -> None:
         copy_memory.LEAD = args.lead
     target = args.target or str(catalog.resolve(catalog.pair(None)["target"]))
     with Engine(target, mode="lookup", n_ctx=4096, copy_memory=0) as engine:
-        policy_cost = costs.batch_cost(engine.target)
+        policy_cost = costs.batch_cost(engine.target) if curve is None else costs.tiled(curve)
         text = (files("via_edge") / "data" / "perplexity" / "textwrap.py.txt").read_text()
         fill = engine.target.tokenize(text, add_special=False)
         kept = {"target": os.path.basename(target), "context": args.context, "sizes": list(SIZES)}
-        if args.costs and os.path.isfile(args.costs):
+        sizes = SIZES if curve is None else sorted(curve)
+        if curve is not None:
+            seconds = [curve[n] for n in sizes]
+        elif args.costs and os.path.isfile(args.costs):
             try:
                 stored = json.load(open(args.costs))
                 seconds = stored["seconds"]
@@ -190,11 +224,12 @@ def main() -> None:
             seconds = measured.table["t"][0]
             if args.costs:
                 write_json(Path(args.costs), {**kept, "seconds": seconds})
-        print(f"verification cost at context {args.context}, single steps: "
-              + ", ".join(f"{n}: {s / seconds[0]:.2f}" for n, s in zip(SIZES, seconds)))
+        where = f"from {args.curve}" if curve is not None else f"at context {args.context}"
+        print(f"verification cost {where}, single steps: "
+              + ", ".join(f"{n}: {s / seconds[0]:.2f}" for n, s in zip(sizes, seconds)))
 
         def true_cost(n: int) -> float:
-            return float(np.interp(n, SIZES, seconds)) / seconds[0]
+            return float(np.interp(n, sizes, seconds)) / seconds[0]
         suites = {suite: answers(engine, suite, path, args.memory) for suite, path in results}
     print("prior acceptance per run bucket:", ", ".join(f"{p:.2f}" for p in copying.PRIOR),
           f"(each weighing {copying.PRIOR_WEIGHT:g} observed tokens)")
@@ -206,6 +241,11 @@ def main() -> None:
         geo = geomean(speed)
         print(f"{suite}: replayed speed-up over ar, geomean {geo:.3f} (min {min(speed):.3f}, max {max(speed):.3f}, "
               f"{len(speed)} answers)")
+        if args.oracle:
+            best = replay(rows, policy_cost, true_cost, CopyMemory(DEFAULT_TOKENS) if args.memory else None,
+                          args.shifts, oracle=True)
+            print(f"{suite}: oracle lengths, geomean {geomean(best):.3f} (min {min(best):.3f}, max {max(best):.3f}); "
+                  "per answer, policy/oracle: " + " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(speed, best)))
         if args.by_category:
             by: dict[str, list[float]] = defaultdict(list)
             for row, s in zip(rows, speed):
