@@ -241,17 +241,22 @@ def main() -> None:
         geo = geomean(speed)
         print(f"{suite}: replayed speed-up over ar, geomean {geo:.3f} (min {min(speed):.3f}, max {max(speed):.3f}, "
               f"{len(speed)} answers)")
+        if args.by_category:
+            by_category(suite, "", rows, speed)
         if args.oracle:
             best = replay(rows, policy_cost, true_cost, CopyMemory(DEFAULT_TOKENS) if args.memory else None,
                           args.shifts, oracle=True)
             print(f"{suite}: oracle lengths, geomean {geomean(best):.3f} (min {min(best):.3f}, max {max(best):.3f}); "
                   "per answer, policy/oracle: " + " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(speed, best)))
-        if args.by_category:
-            by: dict[str, list[float]] = defaultdict(list)
-            for row, s in zip(rows, speed):
-                by[row[3]].append(s)
-            print(f"{suite}: per category, " + ", ".join(f"{c} {geomean(v):.3f} ({len(v)})"
-                                                         for c, v in sorted(by.items())))
+            if args.by_category:
+                by_category(suite, "oracle lengths, ", rows, best)
+
+
+def by_category(suite: str, label: str, rows, speed: list[float]) -> None:
+    by: dict[str, list[float]] = defaultdict(list)
+    for row, s in zip(rows, speed):
+        by[row[3]].append(s)
+    print(f"{suite}: {label}per category, " + ", ".join(f"{c} {geomean(v):.3f} ({len(v)})" for c, v in sorted(by.items())))
 
 
 if __name__ == "__main__":
