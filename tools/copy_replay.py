@@ -9,7 +9,8 @@ section 44).
 
 `--results SUITE=FILE` is a `via-edge bench` results file with an `ar` run per prompt (its tokens
 are the answers). The replay runs the real `CopyDrafter` and `CopyPolicy` over each answer: a round
-drafts what the policy picks, keeps the tokens that match the answer, and costs one verification
+drafts what the policy picks (within the tokens an answer cut at the token limit has left, as the
+decoding loop does), keeps the tokens that match the answer, and costs one verification
 of that many rows. The policy prices verifications with the target's stored batch costs (as
 `lookup` does); the replay charges what they cost at `--context` tokens, measured here first
 (every size from 1 to 80, 3 repeats, about a minute). Nothing else runs the model (but an agent
@@ -51,8 +52,9 @@ GREEDY = SamplingParams()
 SIZES = (1, 2, 4, 8, 16, 24, 32, 33, 40, 47, 48, 49, 56, 63, 64, 65, 72, 80)
 
 
-def answers(engine: Engine, suite: str, path: str, agents: bool) -> list[tuple[list[int], list[int], list, str]]:
-    """(prompt tokens, ar's answer tokens, earlier requests, category) of every prompt the results
+def answers(engine: Engine, suite: str, path: str, agents: bool) -> list[tuple[list[int], list[int], list, str, bool]]:
+    """(prompt tokens, ar's answer tokens, earlier requests, category, whether the answer ended
+    itself rather than at the token limit) of every prompt the results
     file ran in `ar`: the prompt tokenized as the engine tokenizes a generation's text. With `agents`, an
     agent row's earlier requests come as (prompt tokens, answer tokens) pairs, their answers
     generated here with `ar` as the bench generates them before the row (untimed, so the file
@@ -68,7 +70,8 @@ def answers(engine: Engine, suite: str, path: str, agents: bool) -> list[tuple[l
                                                                   max_tokens=data["meta"]["params"]["max_tokens"]).tokens))
         return made[text]
     return [(engine.tokens_for(prompts[r["prompt_id"]].text, chat_template=True), _answer(engine, r["tokens"]),
-             [earlier(text) for text in prompts[r["prompt_id"]].earlier] if agents else [], r["category"])
+             [earlier(text) for text in prompts[r["prompt_id"]].earlier] if agents else [], r["category"],
+             bool(r["tokens"]) and engine.target.is_eog(r["tokens"][-1]))
             for r in data["runs"] if r["method"] == "ar" and r["prompt_id"] in prompts and r.get("round", 0) == 0]
 
 
@@ -101,23 +104,27 @@ def replay(rows, policy_cost, true_cost, memory: CopyMemory | None = None, shift
     into the memory before it, as the bench runs them. With `oracle`, each draft's length is the
     best for where its copy really breaks (same anchors): what the policy's lengths leave."""
     out_speed = []
-    for prompt, out, earlier, _ in rows:
+    for prompt, out, earlier, _, ended in rows:
         if memory is not None:
             for before, answer in earlier:
                 memory.add(answer, lead=before)
-        speeds = [_one(prompt, out, policy_cost, true_cost, memory, 2 * s, oracle) for s in range(shifts)]
+        speeds = [_one(prompt, out, ended, policy_cost, true_cost, memory, 2 * s, oracle) for s in range(shifts)]
         out_speed.append(sum(speeds) / len(speeds))
         if memory is not None:
             memory.add(out, lead=prompt)
     return out_speed
 
 
-def _one(prompt, out, policy_cost, true_cost, memory: CopyMemory | None, delay: int, oracle: bool) -> float:
+def _one(prompt, out, ended: bool, policy_cost, true_cost, memory: CopyMemory | None, delay: int,
+         oracle: bool) -> float:
     d = CopyDrafter(CopyPolicy(lambda n: 1.0 if oracle else policy_cost(n)))  # the oracle sees the whole copy
     d.begin(prompt, memory.sources() if memory is not None else ())
     i, steps, first = 0, 0.0, None
     while i < len(out):
-        draft = d.propose(prompt + out[:i], 64, GREEDY, None, SpecParams())
+        # the decoding loop drafts within the tokens left (Decoder._draft); an answer that ended
+        # itself did not know where, and a draft past its end is rejected there
+        room = 64 if ended else min(64, len(out) - i - 1)
+        draft = d.propose(prompt + out[:i], room, GREEDY, None, SpecParams())
         if oracle and draft.tokens:
             holds = _kept(draft.tokens, out, i)
             k = max(range(len(draft.tokens) + 1), key=lambda k: (min(k, holds) + 1) / true_cost(k + 1))
