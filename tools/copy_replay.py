@@ -117,7 +117,7 @@ def replay(rows, policy_cost, true_cost, memory: CopyMemory | None = None, shift
 
 def _one(prompt, out, ended: bool, policy_cost, true_cost, memory: CopyMemory | None, delay: int,
          oracle: bool) -> float:
-    d = CopyDrafter(CopyPolicy(lambda n: 1.0 if oracle else policy_cost(n)))  # the oracle sees the whole copy
+    d = CopyDrafter(CopyPolicy((lambda n: 1.0) if oracle else policy_cost))  # the oracle sees the whole copy
     d.begin(prompt, memory.sources() if memory is not None else ())
     i, steps, first = 0, 0.0, None
     while i < len(out):
