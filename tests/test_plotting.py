@@ -2,6 +2,7 @@
 matplotlib each one says so and writes nothing (the report goes out without its picture)."""
 
 import sys
+import warnings
 
 import pytest
 
@@ -39,3 +40,14 @@ def test_without_matplotlib_nothing_is_written(tmp_path, monkeypatch, draw, data
     path = tmp_path / "fig.png"
     assert not draw(data, path)
     assert not path.exists()
+
+
+def test_bench_plot_of_ar_alone_warns_nothing(tmp_path):
+    """`via-edge bench --modes ar` has no bar to compare: the picture is still written, and no
+    matplotlib warning about an empty legend reaches the user's terminal."""
+    ar_only = {"meta": BENCH["meta"], "summary": {"ar": BENCH["summary"]["ar"]}}
+    path = tmp_path / "fig.png"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert plot(ar_only, path)
+    assert path.read_bytes()[:8] == PNG

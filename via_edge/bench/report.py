@@ -260,7 +260,8 @@ def plot(results: dict, path: Path) -> bool:
     ax1.set_xticklabels(cats + ["overall"], rotation=30, ha="right")
     ax1.set_ylabel("speedup vs ar (tok/s ratio, geometric mean)")
     ax1.set_title("Speedup per category")
-    ax1.legend(fontsize=8)
+    if methods:  # `ar` alone has no bar to name
+        ax1.legend(fontsize=8)
     tiered = [m for m in summary if "tier_shares" in summary[m] and m != "ar"]
     bottom = [0.0] * len(tiered)
     for tier, color in (("A", "#4caf50"), ("B", "#ff9800"), ("C", "#2196f3")):
