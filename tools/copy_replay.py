@@ -127,7 +127,7 @@ def _one(prompt, out, ended: bool, policy_cost, true_cost, memory: CopyMemory | 
         draft = d.propose(prompt + out[:i], room, GREEDY, None, SpecParams())
         if oracle and draft.tokens:
             holds = _kept(draft.tokens, out, i)
-            k = max(range(len(draft.tokens) + 1), key=lambda k: (min(k, holds) + 1) / true_cost(k + 1))
+            k = max(range(len(draft.tokens) + 1), key=lambda n: (min(n, holds) + 1) / true_cost(n + 1))
             draft.tokens = draft.tokens[:k]
             d._last = (d._last[0], draft.tokens, d._last[2]) if k else None
         if draft.tokens and first is None:
