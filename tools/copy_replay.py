@@ -211,8 +211,6 @@ def main() -> None:
     target = args.target or str(catalog.resolve(catalog.pair(None)["target"]))
     with Engine(target, mode="lookup", n_ctx=4096, copy_memory=0) as engine:
         policy_cost = costs.batch_cost(engine.target) if curve is None else costs.tiled(curve)
-        text = (files("via_edge") / "data" / "perplexity" / "textwrap.py.txt").read_text()
-        fill = engine.target.tokenize(text, add_special=False)
         kept = {"target": os.path.basename(target), "context": args.context, "sizes": list(SIZES)}
         sizes = SIZES if curve is None else sorted(curve)
         if curve is not None:
@@ -226,7 +224,9 @@ def main() -> None:
             if {k: stored.get(k) for k in kept} != kept:
                 ap.error(f"--costs {args.costs} was measured for {stored.get('target')} at context "
                          f"{stored.get('context')}, not {kept['target']} at {args.context}; give another file")
-        else:
+        else:  # measured on a fixed text, only when neither a curve nor a kept measurement is given
+            text = (files("via_edge") / "data" / "perplexity" / "textwrap.py.txt").read_text()
+            fill = engine.target.tokenize(text, add_special=False)
             measured = costs.measure({"t": engine.target}, fill, batches=SIZES, contexts=(args.context,), repeats=3)
             seconds = measured.table["t"][0]
             if args.costs:
