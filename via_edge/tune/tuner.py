@@ -298,7 +298,7 @@ def search_slims(cfg: TuneConfig, setup: Setup, rec: Recorded, log: Log) -> Slim
                   if profile.slim_cost(k, SpecParams().n_draft + 1, cfg.contexts[1]) <= cfg.slim_budget * verify_calls),
                  default=1)  # even one block over budget: search the cheapest slims anyway, the replay decides
     bound = slim_bound(profile, cfg.contexts[1])
-    if bound < 1.0 + PREDICTED_MARGIN:
+    if bound < cfg.screen_floor * (1.0 + PREDICTED_MARGIN):  # a screen like the one below: 0 keeps the slims
         why = (f"slim search skipped: even if every draft token were kept and only the cheapest slim checked "
                f"them, via would run at most {bound:.2f}x ar here, below the +{PREDICTED_MARGIN:.0%} margin")
         log(why)
