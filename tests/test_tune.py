@@ -356,6 +356,23 @@ def test_profile_measures_and_interpolates(tiny_target, tiny_dir):
     assert lin.cost("slim-3", 2, 12) == pytest.approx(6.0)
 
 
+def test_a_steady_one_token_cost_is_timed_after_a_decode_of_its_own(tiny_target):
+    """The format step prices plain decoding by one-token decodes that follow one another (the
+    first after a switch of model or batch size costs more, section 79): with `steady`, each
+    one-token sample decodes one token untimed and `steady` timed, and larger batches as before."""
+    load = LoadParams(**EXACT)
+    with LlamaModel(tiny_target, load) as target:
+        fill = target.tokenize("the quick brown fox jumps over the lazy dog " * 8, add_special=False)
+        decoded = []
+        measure({"target": target}, fill, batches=(1, 2), contexts=(8,), repeats=1)  # the context filled once
+        for steady in (0, 3):
+            before = target.seqs[0].usage.tokens
+            prof = measure({"target": target}, fill, batches=(1, 2), contexts=(8,), repeats=2, steady=steady)
+            decoded.append(target.seqs[0].usage.tokens - before)
+            assert min(prof.table["target"][0]) > 0
+    assert decoded[1] - decoded[0] == 2 * (1 + 3 - 1)  # per repeat: an untimed token and 3 timed, not 1
+
+
 def test_profile_runs_the_attention_the_engine_runs(tiny_target, monkeypatch, tmp_path):
     """The tuner profiles and records the target with the flash-attention setting measured for
     its file, as the engine loads it, not llama.cpp's default (on): fails on a profile made with

@@ -140,15 +140,19 @@ def _bilinear(table: Sequence[Sequence[float]], contexts: Sequence[int], batches
 
 
 def measure(models: Mapping[str, LlamaModel], fill: Sequence[int], *, batches: Sequence[int] = PROFILE_BATCHES,
-            contexts: Sequence[int] = PROFILE_CONTEXTS, repeats: int = 3,
+            contexts: Sequence[int] = PROFILE_CONTEXTS, repeats: int = 3, steady: int = 0,
             progress: Callable[[int, int], None] | None = None) -> CostProfile:
     """Time every model at every (context, batch) point, interleaved and repeated; keep medians.
 
-    `fill` supplies real tokens for the context (at least max(contexts) + max(batches)). Each
-    point rolls the cache back to c tokens and decodes n more, asking for all n rows as a
-    verification does.
+    `fill` supplies real tokens for the context (at least max(contexts) + max(batches) + steady).
+    Each point rolls the cache back to c tokens and decodes n more, asking for all n rows as a
+    verification does. With `steady`, a one-token point is the mean of that many one-token decodes
+    after an untimed one, as plain decoding runs them: the first decode after another model's or
+    another batch size's cost the shipped Q4_K_M 7% more than the next ones and put the format
+    step's one-token gain of `q4_0` at 1.27x where whole answers gained 1.03x (docs/benchmarks.md
+    section 79).
     """
-    top = max(contexts) + max(batches)
+    top = max(contexts) + max(batches) + steady + 1
     if len(fill) < top:
         fill = (list(fill) * (top // max(1, len(fill)) + 1))[:top]
     names = list(models)
@@ -163,10 +167,19 @@ def measure(models: Mapping[str, LlamaModel], fill: Sequence[int], *, batches: S
                 k = (rep + ci + bi) % len(names)
                 for name in names[k:] + names[:k]:
                     m = models[name]
-                    m.seqs[0].prefill(fill[:c])  # rolls back, or refills after a shorter context (untimed)
-                    t0 = time.perf_counter()
-                    m.seqs[0].decode(fill[c:c + n], "all")
-                    samples.setdefault((name, ci, bi), []).append(time.perf_counter() - t0)
+                    seq = m.seqs[0]
+                    seq.prefill(fill[:c])  # rolls back, or refills after a shorter context (untimed)
+                    if n == 1 and steady:
+                        seq.decode(fill[c:c + 1], "all")
+                        t0 = time.perf_counter()
+                        for j in range(c + 1, c + 1 + steady):
+                            seq.decode(fill[j:j + 1], "all")
+                        seconds = (time.perf_counter() - t0) / steady
+                    else:
+                        t0 = time.perf_counter()
+                        seq.decode(fill[c:c + n], "all")
+                        seconds = time.perf_counter() - t0
+                    samples.setdefault((name, ci, bi), []).append(seconds)
                     done += 1
                 if progress:
                     progress(done, total)

@@ -24,6 +24,7 @@ from ..weights.quality import Quality, compare, greedy_continuations, work_units
 
 SURVEY_BATCHES = (1, 2, 4, 8, 16)  # 4 and 16: the repack kernels' row blocks
 SURVEY_CONTEXT = 384
+SURVEY_STEADY = 8  # one-token decodes per timing: a format is chosen for plain decoding's steady pace
 # Teacher-forced top-1 agreement a variant must keep with its source. Measured for the default
 # pair (docs/benchmarks.md, section 14): the target's 4-bit variants keep 0.938-0.972 (perplexity
 # +1-8%), the draft's IQ4_NL 0.924 and its Q4_0 0.897 (perplexity +14%); a Q2_K SmolLM2 falls far
@@ -107,6 +108,7 @@ def survey(sources: Mapping[str, Path], names: Sequence[str], prompts: Sequence[
         fill = [t for p in prompts for t in p]
         t0 = time.monotonic()
         profile = costs.measure(opened, fill, batches=batches, contexts=(SURVEY_CONTEXT,), repeats=repeats,
+                                steady=SURVEY_STEADY,
                                 progress=(lambda done, total: progress("timing each format", done / total))
                                 if progress else None)
         log(f"costs of {len(opened)} models at n={','.join(map(str, batches))} in {time.monotonic() - t0:.0f}s")
