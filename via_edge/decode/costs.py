@@ -152,7 +152,7 @@ def measure(models: Mapping[str, LlamaModel], fill: Sequence[int], *, batches: S
     step's one-token gain of `q4_0` at 1.27x where whole answers gained 1.03x (docs/benchmarks.md
     section 79).
     """
-    top = max(contexts) + max(batches) + steady + 1
+    top = max(contexts) + max(batches) + steady
     if len(fill) < top:
         fill = (list(fill) * (top // max(1, len(fill)) + 1))[:top]
     names = list(models)
