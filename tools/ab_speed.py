@@ -3,9 +3,11 @@ change speed-neutral? (docs/benchmarks.md, section 28)
 
     .venv/bin/python tools/ab_speed.py --base /tmp/before [--new .] [--modes ar,lookup]
         [--suite edit] [--categories agent] [--prompts 4] [-n 128] [--rounds 2] [--target GGUF] [--per-prompt]
+        [--base-env KEY=VALUE ...] [--new-env KEY=VALUE ...]
 
-`--base` is another checkout (e.g. `git worktree add /tmp/before HEAD~1`). Each round starts one
-process per (checkout, mode), which loads the target and warms up, then hands every prompt to each
+`--base` is another checkout (e.g. `git worktree add /tmp/before HEAD~1`), or the same one with
+another environment: `--base . --new-env GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (section 80).
+Each round starts one process per (checkout, mode), which loads the target and warms up, then hands every prompt to each
 process in turn, the order changing by prompt and round (`run_orders`: base right after new as
 often as new right after base): only one generates at a time (two
 llama.cpp processes at once slow each other down many times on 2 cores), and a checkout's prompt
@@ -59,12 +61,13 @@ with Engine(a["target"], mode=a["mode"], n_ctx=4096) as engine:
 class Child:
     """One (checkout, mode) process, loaded once per round, generating each prompt it is sent."""
 
-    def __init__(self, checkout: Path, mode: str, args: argparse.Namespace) -> None:
+    def __init__(self, checkout: Path, mode: str, args: argparse.Namespace, extra_env: list[str]) -> None:
         arg = json.dumps({"suite": args.suite, "categories": args.categories, "prompts": args.prompts,
                           "n": args.n, "mode": mode, "target": args.target})
         self.name = f"{checkout} {mode}"
         self.log = tempfile.TemporaryFile("w+")  # llama.cpp's log: a pipe nobody reads would fill and block it
-        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, arg], env=dict(os.environ, PYTHONPATH=str(checkout)),
+        env = dict(os.environ, PYTHONPATH=str(checkout), **dict(e.split("=", 1) for e in extra_env))
+        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, arg], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      text=True, cwd="/")
         hello = self._read()
@@ -108,6 +111,9 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=128, help="new tokens per prompt")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--target", default=None, help="GGUF (default: the catalog's default target)")
+    for side in ("base", "new"):
+        ap.add_argument(f"--{side}-env", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"an environment variable for the {side} checkout's processes (repeatable)")
     ap.add_argument("--per-prompt", action="store_true", help="also a row per prompt: its ratio per round, and the "
                     "target calls and rows (prompt included) each checkout spent, the same work in every round")
     args = ap.parse_args()
@@ -123,7 +129,7 @@ def main() -> None:
         children: dict[tuple[str, str], Child] = {}
         try:
             for job in jobs:  # loaded one at a time, each then idle until named a prompt
-                children[job] = Child(checkouts[job[0]], job[1], args)
+                children[job] = Child(checkouts[job[0]], job[1], args, getattr(args, f"{job[0]}_env"))
                 got[job].append([])
             for i in range(children[jobs[0]].prompts):  # each prompt by every process in turn, in balanced orders
                 for job in in_run_order(jobs, r + i):
@@ -134,7 +140,8 @@ def main() -> None:
         print(f"round {r + 1} done", file=sys.stderr, flush=True)
     cats = f" ({','.join(args.categories)})" if args.categories else ""
     print(f"target {Path(args.target).name}, suite {args.suite}{cats}, {args.prompts} prompts x {args.n} tokens, "
-          f"{args.rounds} rounds; base {checkouts['base']}, new {checkouts['new']}")
+          f"{args.rounds} rounds; base {checkouts['base']} {' '.join(args.base_env)}, "
+          f"new {checkouts['new']} {' '.join(args.new_env)}")
     print("| mode | new / base tok/s (geomean, min-max) | base tok/s (median) | new tok/s (median) "
           "| outside llama_decode, base / new | answers equal to base's | equal to `ar`'s, base / new |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
