@@ -74,7 +74,7 @@ def test_pick_takes_the_fastest_candidate_that_clears_gate_and_speedup():
     # a clean candidate that is too little faster keeps the shipped file
     found = _cands(("shipped", 100.0, 1, 1), ("q8_0", 90.0, 0.99, 1.0))
     assert autoformat._pick(found, 100.0, 1.15).format == "shipped"
-    assert "1.11x at one token < 1.15x" in found[1].verdict
+    assert "1.111x at one token < 1.15x" in found[1].verdict
 
 
 def test_first_use_measures_stores_and_reuses(auto_env, q4_model, monkeypatch):
@@ -196,3 +196,39 @@ def _load():
     from via_edge.llama import LoadParams
 
     return LoadParams(n_ctx=1024)
+
+
+def test_a_derived_format_is_taken_only_if_a_second_timing_agrees(auto_env, q4_model, monkeypatch):
+    """A first timing can be lucky: the format clearing the speed-up is timed again with both files
+    loaded afresh and kept only if that timing clears it too; the next candidate is tried then."""
+    from via_edge.tune import survey as survey_mod
+    from via_edge.tune.survey import FormatRow
+    from via_edge.weights.quality import Quality
+
+    good = Quality(agreement=0.97, kl=0.01, ppl=10.2, ppl_source=10.0, positions=64)
+    timings: list[dict[str, float]] = [{"shipped": 100.0, "q8_0": 50.0, "q4_0": 60.0},  # ms: q8_0 fastest, then q4_0
+                                       {"shipped": 100.0, "q8_0": 95.0},                 # q8_0 again: 1.05x
+                                       {"shipped": 100.0, "q4_0": 62.0}]                 # q4_0 again: 1.61x
+    calls = []
+
+    def fake_survey(sources, names, *a, **k):
+        ms = timings[len(calls)]
+        calls.append(list(names))
+        rows = [FormatRow("target", n, q4_model, 1, cost={1: ms[n] / 1e3}, quality=None if n == "shipped" else good)
+                for n in ["shipped", *names]]
+        return {"target": rows}
+
+    monkeypatch.setattr(survey_mod, "survey", fake_survey)
+    choice = autoformat.choose(q4_model, sha256_cached(q4_model), _load(), names=("q8_0", "q4_0"), quiet=True,
+                               say=lambda m: None)
+    assert calls == [["q8_0", "q4_0"], ["q8_0"], ["q4_0"]]
+    assert choice.format == "q4_0" and "1.61x timed again" in choice.reason
+    by = {c.format: c for c in choice.candidates}
+    assert by["q8_0"].verdict == "2.000x at one token, then 1.053x timed again < 1.15x"
+    assert by["q4_0"].verdict == "chosen" and by["q4_0"].again == pytest.approx(100 / 62)
+    # nothing passes its second timing: the shipped file stays and says why
+    timings[2] = {"shipped": 100.0, "q4_0": 90.0}
+    calls.clear()
+    choice = autoformat.choose(q4_model, sha256_cached(q4_model), _load(), names=("q8_0", "q4_0"), quiet=True,
+                               say=lambda m: None)
+    assert choice.format == "shipped" and "then 1.111x timed again" in choice.reason

@@ -39,7 +39,12 @@ MIN_SPEEDUP = 1.15  # below this at one token a user-invisible lossy change does
 # (`via-edge bench --suite humaneval`) found no pass@1 difference at that level (section 33).
 GATE_AGREEMENT = 0.90
 GATE_PPL_RATIO = 1.10
-REPEATS = 5                  # one-token decode timings per format (medians)
+# One-token decode timings per format (medians). A timing's estimate of a format's gain moves from one run
+# to the next (where the files' memory landed, a busy moment): 1.02-1.23x over 16 runs of 5 repeats and
+# 1.04-1.15x over 24 of 15 for a `q4_0` that gains 1.03-1.08x over whole answers (docs/benchmarks.md section
+# 81), so a derived format that clears the speed-up is timed again, both files loaded afresh, and taken only
+# if the second timing agrees.
+REPEATS = 15
 
 
 @dataclass
@@ -52,6 +57,7 @@ class Candidate:
     agreement: float = 1.0
     ppl_ratio: float = 1.0
     verdict: str = ""         # "chosen", "kept: shipped", or why it was not taken
+    again: float | None = None  # the speed-up over the shipped file when timed again (only if it cleared the first)
 
 
 @dataclass
@@ -197,8 +203,9 @@ def choose(source: Path, sha: str, load: LoadParams, *, names: Sequence[str] | N
     say(f"First use of {source.name} on this machine ({cpu_name()}, {build()['flavor']} build): {kernel_note()}, "
         f"so via-edge checks once whether {' or '.join(names)} answers like the shipped file and decodes faster. "
         f"It derives {' and '.join(f'{n} (~{sizes[n] / 1e9:.1f} GB)' for n in names)} next to the model, "
-        f"times one-token decoding and compares {FORMAT_PROMPTS * FORMAT_TOKENS} answer tokens and a perplexity "
-        "text with the shipped file: a few minutes, once; the choice is then reused. `--format shipped` (or "
+        f"times one-token decoding (twice for a format it would take) and compares {FORMAT_PROMPTS * FORMAT_TOKENS} "
+        "answer tokens and a perplexity text with the shipped file: a few minutes, once; the choice is then "
+        "reused. `--format shipped` (or "
         f"{ENV}=shipped) skips it.")
     t0 = time.monotonic()
     with LlamaModel(source, load) as m:
@@ -208,13 +215,23 @@ def choose(source: Path, sha: str, load: LoadParams, *, names: Sequence[str] | N
     def progress(stage: str, frac: float) -> None:
         lines.setdefault(stage, StatusLine(quiet)).show(frac, f"format step: {stage} {int(frac * 100):3d}%")
 
-    rows = survey({"target": source}, names, prompts, load, continuation=FORMAT_TOKENS, repeats=REPEATS, batches=(1,),
-                  quiet=quiet, progress=progress)["target"]
+    def timed(names: Sequence[str]) -> list:
+        return survey({"target": source}, names, prompts, load, continuation=FORMAT_TOKENS, repeats=REPEATS,
+                      batches=(1,), quiet=quiet, progress=progress)["target"]
+
+    rows = timed(names)
     shipped, found = rows[0], []
     for r in rows:
         q = r.quality
         found.append(Candidate(r.format, r.cost[1] * 1e3, r.size, q.agreement if q else 1.0, q.ppl_ratio if q else 1.0))
     best = _pick(found, shipped.cost[1] * 1e3, min_speedup)
+    while best is not found[0] and best.again is None:  # a lossy choice the user did not ask for: time it again
+        again = timed([best.format])
+        best.again = again[0].cost[1] / again[1].cost[1]
+        if best.again < min_speedup:
+            best.verdict = (f"{found[0].ms / best.ms:.3f}x at one token, then {best.again:.3f}x timed again "
+                            f"< {min_speedup}x")
+        best = _pick(found, shipped.cost[1] * 1e3, min_speedup)
     choice = FormatChoice(best.format, source.name, sha, machine_key(), _reason(best, found), found,
                           time.monotonic() - t0, _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     write_json(choice_path(sha), choice.to_dict())
@@ -223,14 +240,19 @@ def choose(source: Path, sha: str, load: LoadParams, *, names: Sequence[str] | N
 
 
 def _pick(found: list[Candidate], shipped_ms: float, min_speedup: float) -> Candidate:
-    """The fastest candidate that clears the gate and the speed-up; the shipped file otherwise."""
+    """The fastest candidate that clears the gate and the speed-up (in its second timing too, if
+    it had one); the shipped file otherwise."""
+    found[0].verdict = ""
     for c in found[1:]:
+        if c.again is not None and c.again < min_speedup:
+            continue  # its verdict says both timings
+        c.verdict = ""
         if c.agreement < GATE_AGREEMENT:
             c.verdict = f"agreement {c.agreement:.3f} < {GATE_AGREEMENT}"
         elif c.ppl_ratio > GATE_PPL_RATIO:
             c.verdict = f"perplexity x{c.ppl_ratio:.3f} > x{GATE_PPL_RATIO}"
         elif shipped_ms / c.ms < min_speedup:
-            c.verdict = f"{shipped_ms / c.ms:.2f}x at one token < {min_speedup}x"
+            c.verdict = f"{shipped_ms / c.ms:.3f}x at one token < {min_speedup}x"
     ok = [c for c in found[1:] if not c.verdict]
     best = min(ok, key=lambda c: c.ms) if ok else found[0]
     best.verdict = "chosen"
@@ -242,6 +264,7 @@ def _reason(best: Candidate, found: list[Candidate]) -> str:
     if best is shipped:
         why = "; ".join(f"{c.format}: {c.verdict}" for c in found[1:])
         return f"keeping the shipped file ({shipped.ms:.1f} ms per token; {why})"
+    again = f"; {best.again:.2f}x timed again" if best.again is not None else ""
     return (f"using {best.format}: one token in {best.ms:.1f} ms against {shipped.ms:.1f} ms for the shipped file "
-            f"({shipped.ms / best.ms:.2f}x), agreement {best.agreement:.3f}, perplexity x{best.ppl_ratio:.3f}, "
+            f"({shipped.ms / best.ms:.2f}x{again}), agreement {best.agreement:.3f}, perplexity x{best.ppl_ratio:.3f}, "
             f"{best.size / 1e9:.2f} GB on disk")
