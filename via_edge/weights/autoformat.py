@@ -215,9 +215,9 @@ def choose(source: Path, sha: str, load: LoadParams, *, names: Sequence[str] | N
     def progress(stage: str, frac: float) -> None:
         lines.setdefault(stage, StatusLine(quiet)).show(frac, f"format step: {stage} {int(frac * 100):3d}%")
 
-    def timed(names: Sequence[str]) -> list:
+    def timed(names: Sequence[str], note: str = "") -> list:
         return survey({"target": source}, names, prompts, load, continuation=FORMAT_TOKENS, repeats=REPEATS,
-                      batches=(1,), quiet=quiet, progress=progress)["target"]
+                      batches=(1,), quiet=quiet, progress=lambda stage, f: progress(stage + note, f))["target"]
 
     rows = timed(names)
     shipped, found = rows[0], []
@@ -226,7 +226,7 @@ def choose(source: Path, sha: str, load: LoadParams, *, names: Sequence[str] | N
         found.append(Candidate(r.format, r.cost[1] * 1e3, r.size, q.agreement if q else 1.0, q.ppl_ratio if q else 1.0))
     best = _pick(found, shipped.cost[1] * 1e3, min_speedup)
     while best is not found[0] and best.again is None:  # a lossy choice the user did not ask for: time it again
-        again = timed([best.format])
+        again = timed([best.format], f" ({best.format} again, files loaded afresh)")
         best.again = again[0].cost[1] / again[1].cost[1]
         if best.again < min_speedup:
             best.verdict = (f"{found[0].ms / best.ms:.3f}x at one token, then {best.again:.3f}x timed again "
