@@ -6,19 +6,19 @@ change speed-neutral? (docs/benchmarks.md, section 28)
         [--base-env KEY=VALUE ...] [--new-env KEY=VALUE ...]
 
 `--base` is another checkout (e.g. `git worktree add /tmp/before HEAD~1`), or the same one with
-another environment: `--base . --new-env GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (section 80).
-Each round starts one process per (checkout, mode), which loads the target and warms up, then hands every prompt to each
-process in turn, the order changing by prompt and round (`run_orders`: base right after new as
-often as new right after base): only one generates at a time (two
-llama.cpp processes at once slow each other down many times on 2 cores), and a checkout's prompt
-runs seconds from the other's, not minutes, so the machine's drift over a round is shared. Whole
-processes still differ (section 53: the same decodes ran 1.01-1.14x between two processes alive
-side by side): read the spread, and `--per-prompt` for whether the work changed. Each prompt runs
-greedily from a cold cache (an agent row's earlier requests first, untimed, so its copy memory
-holds their answers as in `via-edge bench`). Reported per mode: the new checkout's tok/s over the base's, per prompt
-(geomean, min-max over prompts and rounds), each checkout's share of wall time spent outside
-llama_decode (the Python the loop adds), and how many answers of the first round are token for token
-the base's, and `ar`'s (a change of kernels can change greedy answers at near-ties).
+another environment: `--base . --new-env GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (section 80). Each
+round starts one process per (checkout, mode), which loads the target and warms up, then hands every
+prompt to each process in turn, the order changing by prompt and round (`run_orders`: base right
+after new as often as new right after base): only one generates at a time (two llama.cpp processes
+at once slow each other down many times on 2 cores), and a checkout's prompt runs seconds from the
+other's, not minutes, so the machine's drift over a round is shared. Whole processes still differ
+(section 53: the same decodes ran 1.01-1.14x between two processes alive side by side): read the
+spread, and `--per-prompt` for whether the work changed. Each prompt runs greedily from a cold cache
+(an agent row's earlier requests first, untimed, so its copy memory holds their answers as in
+`via-edge bench`). Reported per mode: the new checkout's tok/s over the base's, per prompt (geomean,
+min-max over prompts and rounds), each checkout's share of wall time spent outside llama_decode (the
+Python the loop adds), and how many answers of the first round are token for token the base's, and
+`ar`'s (a change of kernels can change greedy answers at near-ties).
 """
 
 from __future__ import annotations

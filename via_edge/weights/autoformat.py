@@ -205,8 +205,7 @@ def choose(source: Path, sha: str, load: LoadParams, *, names: Sequence[str] | N
         f"It derives {' and '.join(f'{n} (~{sizes[n] / 1e9:.1f} GB)' for n in names)} next to the model, "
         f"times one-token decoding (twice for a format it would take) and compares {FORMAT_PROMPTS * FORMAT_TOKENS} "
         "answer tokens and a perplexity text with the shipped file: a few minutes, once; the choice is then "
-        "reused. `--format shipped` (or "
-        f"{ENV}=shipped) skips it.")
+        f"reused. `--format shipped` (or {ENV}=shipped) skips it.")
     t0 = time.monotonic()
     with LlamaModel(source, load) as m:
         prompts = format_prompts(m)
@@ -215,8 +214,8 @@ def choose(source: Path, sha: str, load: LoadParams, *, names: Sequence[str] | N
     def progress(stage: str, frac: float) -> None:
         lines.setdefault(stage, StatusLine(quiet)).show(frac, f"format step: {stage} {int(frac * 100):3d}%")
 
-    def timed(names: Sequence[str], note: str = "") -> list:
-        return survey({"target": source}, names, prompts, load, continuation=FORMAT_TOKENS, repeats=REPEATS,
+    def timed(which: Sequence[str], note: str = "") -> list:
+        return survey({"target": source}, which, prompts, load, continuation=FORMAT_TOKENS, repeats=REPEATS,
                       batches=(1,), quiet=quiet, progress=lambda stage, f: progress(stage + note, f))["target"]
 
     rows = timed(names)
