@@ -218,19 +218,17 @@ def choose(source: Path, sha: str, load: LoadParams, *, names: Sequence[str] | N
         return survey({"target": source}, which, prompts, load, continuation=FORMAT_TOKENS, repeats=REPEATS,
                       batches=(1,), quiet=quiet, progress=lambda stage, f: progress(stage + note, f))["target"]
 
-    rows = timed(names)
-    shipped, found = rows[0], []
-    for r in rows:
-        q = r.quality
-        found.append(Candidate(r.format, r.cost[1] * 1e3, r.size, q.agreement if q else 1.0, q.ppl_ratio if q else 1.0))
-    best = _pick(found, shipped.cost[1] * 1e3, min_speedup)
+    found = [Candidate(r.format, r.cost[1] * 1e3, r.size, r.quality.agreement if r.quality else 1.0,
+                       r.quality.ppl_ratio if r.quality else 1.0) for r in timed(names)]
+    shipped_ms = found[0].ms
+    best = _pick(found, shipped_ms, min_speedup)
     while best is not found[0] and best.again is None:  # a lossy choice the user did not ask for: time it again
         again = timed([best.format], f" ({best.format} again, files loaded afresh)")
         best.again = again[0].cost[1] / again[1].cost[1]
         if best.again < min_speedup:
-            best.verdict = (f"{found[0].ms / best.ms:.3f}x at one token, then {best.again:.3f}x timed again "
+            best.verdict = (f"{shipped_ms / best.ms:.3f}x at one token, then {best.again:.3f}x timed again "
                             f"< {min_speedup}x")
-        best = _pick(found, shipped.cost[1] * 1e3, min_speedup)
+        best = _pick(found, shipped_ms, min_speedup)
     choice = FormatChoice(best.format, source.name, sha, machine_key(), _reason(best, found), found,
                           time.monotonic() - t0, _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     write_json(choice_path(sha), choice.to_dict())
