@@ -58,15 +58,24 @@ with Engine(a["target"], mode=a["mode"], n_ctx=4096) as engine:
 """
 
 
+def env_setting(text: str) -> tuple[str, str]:
+    """KEY=VALUE from the command line, checked before any process starts."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got '{text}'")
+    return key, value
+
+
 class Child:
     """One (checkout, mode) process, loaded once per round, generating each prompt it is sent."""
 
-    def __init__(self, checkout: Path, mode: str, args: argparse.Namespace, extra_env: list[str]) -> None:
+    def __init__(self, checkout: Path, mode: str, args: argparse.Namespace,
+                 extra_env: list[tuple[str, str]]) -> None:
         arg = json.dumps({"suite": args.suite, "categories": args.categories, "prompts": args.prompts,
                           "n": args.n, "mode": mode, "target": args.target})
         self.name = f"{checkout} {mode}"
         self.log = tempfile.TemporaryFile("w+")  # llama.cpp's log: a pipe nobody reads would fill and block it
-        env = dict(os.environ, PYTHONPATH=str(checkout), **dict(e.split("=", 1) for e in extra_env))
+        env = dict(os.environ, PYTHONPATH=str(checkout), **dict(extra_env))
         self.proc = subprocess.Popen([sys.executable, "-c", CHILD, arg], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      text=True, cwd="/")
@@ -112,7 +121,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--target", default=None, help="GGUF (default: the catalog's default target)")
     for side in ("base", "new"):
-        ap.add_argument(f"--{side}-env", action="append", default=[], metavar="KEY=VALUE",
+        ap.add_argument(f"--{side}-env", action="append", default=[], metavar="KEY=VALUE", type=env_setting,
                         help=f"an environment variable for the {side} checkout's processes (repeatable)")
     ap.add_argument("--per-prompt", action="store_true", help="also a row per prompt: its ratio per round, and the "
                     "target calls and rows (prompt included) each checkout spent, the same work in every round")
@@ -140,8 +149,8 @@ def main() -> None:
         print(f"round {r + 1} done", file=sys.stderr, flush=True)
     cats = f" ({','.join(args.categories)})" if args.categories else ""
     print(f"target {Path(args.target).name}, suite {args.suite}{cats}, {args.prompts} prompts x {args.n} tokens, "
-          f"{args.rounds} rounds; base {checkouts['base']} {' '.join(args.base_env)}, "
-          f"new {checkouts['new']} {' '.join(args.new_env)}")
+          f"{args.rounds} rounds; base {checkouts['base']} {' '.join('='.join(e) for e in args.base_env)}, "
+          f"new {checkouts['new']} {' '.join('='.join(e) for e in args.new_env)}")
     print("| mode | new / base tok/s (geomean, min-max) | base tok/s (median) | new tok/s (median) "
           "| outside llama_decode, base / new | answers equal to base's | equal to `ar`'s, base / new |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
